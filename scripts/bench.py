@@ -1,0 +1,818 @@
+"""Benchmark zmqpool against torchrl's and gymnasium's env pools, side by side.
+
+One run steps the same envs through every pool and prints env-steps/second,
+zmqpool's speed-up over each other row, and PASS/MISS against the project's
+targets (informational: a MISS never changes the exit code; a row that fails
+to run does, after every other row has run and the reports are written).
+
+Scenarios (``--num-envs`` envs, 4 by default, unless stated):
+
+- ``cheap``: :class:`~zmqpool.testing.CountingEnv` with a ``(4,)`` float32
+  observation, so the transport is all there is to measure;
+- ``pixel``: a ``(3, 84, 84)`` uint8 observation;
+- ``1mib``: a ``(262144,)`` float32 observation (1 MiB), also in GB/s, with a
+  bare pyzmq round trip of the same payload as the floor;
+- ``latency``: each step sleeps uniformly in 0-4 ms; zmqpool's throughput is
+  reported as a fraction of the ideal ``num_envs / 2 ms``;
+- ``roundtrip``: one env; the median latency of a single step through zmqpool
+  against a bare pyzmq round trip carrying the same payload.
+
+Rows: ``zmqpool`` (``ZMQAsyncEnvPool``), ``torchrl-queue`` and ``torchrl-shm``
+(torchrl's ``AsyncEnvPool``, multiprocessing backend) all run the loop a
+trainer runs: send an action to every env, then repeatedly
+``async_step_recv(min_get=1)`` and send new actions to the envs that came
+back. ``parallelenv`` is torchrl's ``ParallelEnv`` stepped synchronously,
+``serial`` the same envs stepped one after another in this process,
+``gym-async`` gymnasium's ``AsyncVectorEnv`` (``step_async``/``step_wait``) of
+the numpy twin :class:`~zmqpool.benchenvs.CountingGymEnv`, ``gym-serial`` that
+twin stepped in this process, and ``bare-zmq`` a ROUTER/DEALER request with a
+PUSH/PULL reply to echo subprocesses, one request in flight per peer.
+
+Every row measures env-steps for ``--seconds`` of wall time after a warm-up;
+building the pool and its first reset are not counted. Actions carry only the
+``action`` key (what a trainer sends back); results are not copied further.
+
+Usage::
+
+    python scripts/bench.py                    # everything, ~3 s per row
+    python scripts/bench.py --quick            # a smoke run, well under a minute
+    python scripts/bench.py --scenarios cheap,roundtrip --rows zmqpool,torchrl-shm \\
+        --json bench_results/run.json --plot bench_results/run.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy as np
+import torch
+import torchrl
+import zmq
+from tensordict import TensorDict, TensorDictBase
+from torchrl.envs import AsyncEnvPool, EnvBase, ParallelEnv
+
+from zmqpool.benchenvs import STOP, CountingGymEnv
+from zmqpool.testing import CountingEnv
+
+Tick = Callable[[], int]
+"""One unit of work of a row: steps some envs and returns how many env-steps it did."""
+RowFn = Callable[["Scenario", "Config"], contextlib.AbstractContextManager[Tick]]
+
+REF = "zmqpool"
+ALL_ROWS = (
+    "zmqpool",
+    "torchrl-queue",
+    "torchrl-shm",
+    "parallelenv",
+    "serial",
+    "gym-async",
+    "gym-serial",
+    "bare-zmq",
+)
+POOL_ROWS = ALL_ROWS[:5]
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the envs look like and which rows step them."""
+
+    name: str
+    obs_shape: tuple[int, ...]
+    rows: tuple[str, ...]
+    obs_dtype: torch.dtype = torch.float32
+    step_sleep_s: tuple[float, float] = (0.0, 0.0)
+    num_envs: int | None = None  # None: --num-envs
+    report_gbps: bool = False
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one observation."""
+        return int(np.prod(self.obs_shape)) * self.obs_dtype.itemsize
+
+    def envs(self, cfg: Config) -> int:
+        return self.num_envs or cfg.num_envs
+
+    def ideal_steps_per_s(self, num_envs: int) -> float | None:
+        """``num_envs / mean step latency`` for sleeping envs, else ``None``."""
+        mean_sleep = sum(self.step_sleep_s) / 2
+        return num_envs / mean_sleep if mean_sleep > 0 else None
+
+    def env_kwargs(self, num_envs: int) -> list[dict[str, Any]]:
+        """``CountingEnv`` kwargs per env; defaults left out so they stay plain data."""
+        extra: dict[str, Any] = {"obs_shape": self.obs_shape}
+        if self.obs_dtype != torch.float32:
+            extra["obs_dtype"] = self.obs_dtype
+        if self.step_sleep_s[1] > 0:
+            extra["step_sleep_s"] = self.step_sleep_s
+        return [{"env_id": i, **extra} for i in range(num_envs)]
+
+
+def build_scenarios(quick: bool) -> dict[str, Scenario]:
+    """The scenario table; ``quick`` shrinks payloads and keeps the rows that matter most."""
+    pixel = (3, 16, 16) if quick else (3, 84, 84)
+    big = (16_384,) if quick else (262_144,)
+    scenarios = [
+        Scenario("cheap", (4,), (*POOL_ROWS, "gym-async", "gym-serial")),
+        Scenario("pixel", pixel, POOL_ROWS, obs_dtype=torch.uint8),
+        Scenario("1mib", big, (*POOL_ROWS, "bare-zmq"), report_gbps=True),
+        Scenario("latency", (4,), POOL_ROWS, step_sleep_s=(0.0, 0.004)),
+        Scenario("roundtrip", (4,), ("zmqpool", "bare-zmq"), num_envs=1),
+    ]
+    if quick:
+        scenarios = [replace(s, rows=QUICK_ROWS[s.name]) for s in scenarios if s.name in QUICK_ROWS]
+    return {s.name: s for s in scenarios}
+
+
+QUICK_ROWS: dict[str, tuple[str, ...]] = {
+    "cheap": ("zmqpool", "torchrl-queue", "torchrl-shm", "serial", "gym-async", "gym-serial"),
+    "1mib": ("zmqpool", "bare-zmq"),
+    "roundtrip": ("zmqpool", "bare-zmq"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """How long and how wide each row runs."""
+
+    seconds: float
+    warmup_s: float
+    num_envs: int
+    recv_timeout_s: float = 30.0
+    row_timeout_s: float = 300.0
+
+
+@dataclass
+class RowResult:
+    """One row's measurement (or the error that stopped it)."""
+
+    scenario: str
+    row: str
+    num_envs: int
+    payload_bytes: int
+    steps: int = 0
+    seconds: float = 0.0
+    construct_s: float = 0.0
+    steps_per_s: float = 0.0
+    gb_per_s: float | None = None
+    median_latency_us: float | None = None
+    ideal_steps_per_s: float | None = None
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- async pool rows
+
+
+def action_td(num: int) -> TensorDict:
+    """A fresh batch of actions (the pools write ``env_index`` into what they are sent)."""
+    return TensorDict({"action": torch.zeros(num, 1)}, batch_size=[num])
+
+
+def env_indices(result: TensorDictBase) -> list[int]:
+    """The ``env_index`` entries of a pool result as ints (tensor or non-tensor stack)."""
+    index = result.get("env_index")
+    if isinstance(index, torch.Tensor):
+        return [int(i) for i in index.reshape(-1).tolist()]
+    if hasattr(index, "tolist"):
+        index = index.tolist()
+    return [int(i) for i in index]
+
+
+class AsyncLoop:
+    """A trainer's loop on an async pool: keep every env busy, resend as results arrive."""
+
+    def __init__(self, pool: Any, num_envs: int, timeout_s: float) -> None:
+        self.pool = pool
+        self.num_envs = num_envs
+        self.timeout_s = timeout_s
+        pool.reset()
+        pool.async_step_send(action_td(num_envs), env_index=list(range(num_envs)))
+
+    def __call__(self) -> int:
+        result = self.pool.async_step_recv(min_get=1, timeout=self.timeout_s)
+        done = env_indices(result)
+        self.pool.async_step_send(action_td(len(done)), env_index=done)
+        return len(done)
+
+    def drain(self) -> None:
+        """Collect the steps still in flight so the pool closes idle."""
+        self.pool.async_step_recv(min_get=self.num_envs, timeout=self.timeout_s)
+
+
+@contextlib.contextmanager
+def async_pool_row(make_pool: Callable[[], Any], num_envs: int, cfg: Config) -> Iterator[Tick]:
+    """Build a pool, yield its :class:`AsyncLoop`, always close it."""
+    pool = make_pool()
+    try:
+        loop = AsyncLoop(pool, num_envs, cfg.recv_timeout_s)
+        yield loop
+        loop.drain()
+    finally:
+        pool.close()
+
+
+def zmqpool_class() -> type:
+    """``zmqpool.ZMQAsyncEnvPool``, imported late so the other rows run without it."""
+    pool_cls = getattr(importlib.import_module("zmqpool"), "ZMQAsyncEnvPool", None)
+    if pool_cls is None:
+        raise RuntimeError("zmqpool.ZMQAsyncEnvPool does not exist (yet)")
+    return pool_cls
+
+
+def make_zmqpool(sc: Scenario, num_envs: int, **pool_kwargs: Any) -> Any:
+    return zmqpool_class()(
+        [CountingEnv] * num_envs, create_env_kwargs=sc.env_kwargs(num_envs), **pool_kwargs
+    )
+
+
+def zmqpool_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[Tick]:
+    num_envs = sc.envs(cfg)
+    return async_pool_row(partial(make_zmqpool, sc, num_envs), num_envs, cfg)
+
+
+def zmqpool_tcp_row(
+    sc: Scenario, cfg: Config, tcp_kwargs: dict[str, Any]
+) -> contextlib.AbstractContextManager[Tick]:
+    """zmqpool with its workers connecting over TCP loopback: NOT registered in ``ROWS``.
+
+    The pool keyword that selects TCP is a later issue; once it exists, pass it
+    as ``tcp_kwargs`` and register ``"zmqpool-tcp": partial(zmqpool_tcp_row,
+    tcp_kwargs={...})`` in ``ROWS`` (and add the name to ``ALL_ROWS`` and the
+    scenarios that should run it).
+    """
+    num_envs = sc.envs(cfg)
+    return async_pool_row(partial(make_zmqpool, sc, num_envs, **tcp_kwargs), num_envs, cfg)
+
+
+def torchrl_pool_row(
+    sc: Scenario, cfg: Config, exchange: str
+) -> contextlib.AbstractContextManager[Tick]:
+    num_envs = sc.envs(cfg)
+    make_pool = partial(
+        AsyncEnvPool,
+        [CountingEnv] * num_envs,
+        backend="multiprocessing",
+        exchange=exchange,
+        create_env_kwargs=sc.env_kwargs(num_envs),
+    )
+    return async_pool_row(make_pool, num_envs, cfg)
+
+
+# --------------------------------------------------------------------------- sync rows
+
+
+@contextlib.contextmanager
+def parallel_env_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
+    """torchrl's ``ParallelEnv``: one synchronous ``step`` of all workers per tick."""
+    num_envs = sc.envs(cfg)
+    env = ParallelEnv(num_envs, CountingEnv, create_env_kwargs=sc.env_kwargs(num_envs))
+    try:
+        env.reset()
+        actions = action_td(num_envs)
+        yield lambda: env.step(actions).batch_size[0]
+    finally:
+        env.close(raise_if_closed=False)
+
+
+def step_serially(envs: list[EnvBase], tds: list[TensorDict]) -> int:
+    for env, td in zip(envs, tds, strict=True):
+        env.step(td)
+    return len(envs)
+
+
+@contextlib.contextmanager
+def serial_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
+    """The same envs in this process, ``env.step`` one after another: no pool at all."""
+    envs = [CountingEnv(**kwargs) for kwargs in sc.env_kwargs(sc.envs(cfg))]
+    try:
+        for env in envs:
+            env.reset()
+        tds = [TensorDict({"action": torch.zeros(1)}) for _ in envs]
+        yield partial(step_serially, envs, tds)
+    finally:
+        for env in envs:
+            env.close()
+
+
+@contextlib.contextmanager
+def gym_async_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
+    """gymnasium's ``AsyncVectorEnv`` of the numpy twin, all envs per ``step_async``/``wait``.
+
+    ``context="fork"`` is gymnasium's own default on Linux; importing torchrl
+    switched this process's default to spawn, which would only add start-up time.
+    """
+    num_envs = sc.envs(cfg)
+    fns = [partial(CountingGymEnv, env_id=i) for i in range(num_envs)]
+    venv = gymnasium.vector.AsyncVectorEnv(fns, context="fork")
+    try:
+        venv.reset(seed=0)
+        actions = np.zeros((num_envs, 1), dtype=np.float32)
+
+        def tick() -> int:
+            venv.step_async(actions)
+            venv.step_wait(timeout=cfg.recv_timeout_s)
+            return num_envs
+
+        yield tick
+    finally:
+        venv.close(timeout=cfg.recv_timeout_s, terminate=True)
+
+
+def step_gym_serially(envs: list[CountingGymEnv], action: np.ndarray) -> int:
+    for env in envs:
+        env.step(action)
+    return len(envs)
+
+
+@contextlib.contextmanager
+def gym_serial_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
+    """The numpy twin stepped in this process, one env after another."""
+    envs = [CountingGymEnv(env_id=i) for i in range(sc.envs(cfg))]
+    try:
+        for i, env in enumerate(envs):
+            env.reset(seed=i)
+        yield partial(step_gym_serially, envs, np.zeros(1, dtype=np.float32))
+    finally:
+        for env in envs:
+            env.close()
+
+
+# --------------------------------------------------------------------------- bare pyzmq
+
+
+class BareZmqEcho:
+    """The transport floor: a ROUTER sends each echo peer (a subprocess running
+    :func:`zmqpool.benchenvs.echo_peer`) an action-sized request over DEALER; the
+    peer answers with an observation-sized payload over PUSH to our PULL.
+    """
+
+    REQUEST = np.zeros(1, dtype=np.float32).tobytes()
+
+    def __init__(self, num_peers: int, nbytes: int, timeout_s: float) -> None:
+        self.timeout_ms = int(timeout_s * 1000)
+        self.tmpdir = tempfile.mkdtemp(prefix="zmqpool-bench-")
+        self.ctx = zmq.Context()
+        self.router = self._bind(zmq.ROUTER, "router")
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.pull = self._bind(zmq.PULL, "pull")
+        self.peers = [str(i).encode() for i in range(num_peers)]
+        self.procs = [self._spawn_peer(peer, nbytes) for peer in self.peers]
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{self.tmpdir}/{name}")
+        return sock
+
+    def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
+        addrs = [self.router.LAST_ENDPOINT.decode(), self.pull.LAST_ENDPOINT.decode()]
+        argv = [sys.executable, "-m", "zmqpool.benchenvs", *addrs, peer.decode(), str(nbytes)]
+        return subprocess.Popen(argv)
+
+    def _poll(self, sock: zmq.Socket) -> None:
+        if not sock.poll(self.timeout_ms):
+            raise TimeoutError(f"bare-zmq: nothing within {self.timeout_ms} ms")
+
+    def start(self) -> None:
+        """Wait for every peer's hello, then put one request in flight per peer."""
+        for _ in self.peers:
+            self._poll(self.router)
+            self.router.recv_multipart()
+        self.send(self.peers)
+
+    def send(self, peers: list[bytes]) -> None:
+        for peer in peers:
+            self.router.send_multipart([peer, self.REQUEST])
+
+    def __call__(self) -> int:
+        """Wait for one reply, take any others already there, resend to those peers."""
+        self._poll(self.pull)
+        done = [self.pull.recv_multipart(copy=False)[0].bytes]
+        while self.pull.poll(0):
+            done.append(self.pull.recv_multipart(copy=False)[0].bytes)
+        self.send(done)
+        return len(done)
+
+    def close(self) -> None:
+        for peer in self.peers:
+            with contextlib.suppress(zmq.ZMQError):
+                self.router.send_multipart([peer, STOP])
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bare_zmq_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
+    echo = BareZmqEcho(sc.envs(cfg), sc.payload_bytes, cfg.recv_timeout_s)
+    try:
+        echo.start()
+        yield echo
+    finally:
+        echo.close()
+
+
+ROWS: dict[str, RowFn] = {
+    "zmqpool": zmqpool_row,
+    "torchrl-queue": partial(torchrl_pool_row, exchange="queue"),
+    "torchrl-shm": partial(torchrl_pool_row, exchange="shm"),
+    "parallelenv": parallel_env_row,
+    "serial": serial_row,
+    "gym-async": gym_async_row,
+    "gym-serial": gym_serial_row,
+    "bare-zmq": bare_zmq_row,
+}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class RowTimeoutError(TimeoutError):
+    """A row ran past ``--row-timeout`` (building, stepping or closing)."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Raise :class:`RowTimeoutError` in the main thread if the block outlives ``seconds``."""
+
+    def fire(signum: int, frame: Any) -> None:
+        raise RowTimeoutError(f"row did not finish within {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass
+class Measurement:
+    steps: int
+    seconds: float
+    tick_s: list[float] = field(default_factory=list)
+
+
+def measure(tick: Tick, cfg: Config) -> Measurement:
+    """Warm up, then count env-steps for ``cfg.seconds`` of wall time, timing every tick."""
+    warm_end = time.perf_counter() + cfg.warmup_s
+    while time.perf_counter() < warm_end:
+        tick()
+    out = Measurement(0, 0.0)
+    start = now = time.perf_counter()
+    while now - start < cfg.seconds:
+        out.steps += tick()
+        after = time.perf_counter()
+        out.tick_s.append(after - now)
+        now = after
+    out.seconds = now - start
+    return out
+
+
+def fill_result(result: RowResult, sc: Scenario, m: Measurement) -> None:
+    result.steps, result.seconds = m.steps, m.seconds
+    result.steps_per_s = m.steps / m.seconds if m.seconds > 0 else 0.0
+    if sc.report_gbps:
+        result.gb_per_s = result.steps_per_s * sc.payload_bytes / 1e9
+    if sc.num_envs == 1 and m.tick_s:
+        result.median_latency_us = statistics.median(m.tick_s) * 1e6
+    result.ideal_steps_per_s = sc.ideal_steps_per_s(result.num_envs)
+
+
+def run_row(sc: Scenario, row: str, cfg: Config) -> RowResult:
+    """Build, warm up, measure and close one row; an exception becomes ``error``."""
+    result = RowResult(sc.name, row, sc.envs(cfg), sc.payload_bytes)
+    try:
+        with watchdog(cfg.row_timeout_s):
+            start = time.perf_counter()
+            with ROWS[row](sc, cfg) as tick:
+                result.construct_s = time.perf_counter() - start
+                fill_result(result, sc, measure(tick, cfg))
+    except Exception as err:
+        result.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return result
+
+
+def log_row(i: int, total: int, r: RowResult) -> None:
+    what = f"ERROR {r.error}" if r.error else f"{r.steps_per_s:12,.0f} steps/s"
+    print(
+        f"[{i:2d}/{total}] {r.scenario:>9}/{r.row:<13} {what}  (built in {r.construct_s:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_all(scenarios: list[Scenario], rows: set[str], cfg: Config) -> list[RowResult]:
+    plan = [(sc, row) for sc in scenarios for row in sc.rows if row in rows]
+    results = []
+    for i, (sc, row) in enumerate(plan, 1):
+        results.append(run_row(sc, row, cfg))
+        log_row(i, len(plan), results[-1])
+    return results
+
+
+# --------------------------------------------------------------------------- ratios, targets
+
+
+def by_scenario(results: list[RowResult]) -> dict[str, dict[str, RowResult]]:
+    table: dict[str, dict[str, RowResult]] = {}
+    for r in results:
+        if not r.error:
+            table.setdefault(r.scenario, {})[r.row] = r
+    return table
+
+
+def ratios(results: list[RowResult]) -> dict[tuple[str, str], float]:
+    """zmqpool's steps/s over each other row's, per scenario."""
+    out = {}
+    for name, rows in by_scenario(results).items():
+        ref = rows.get(REF)
+        for row, r in rows.items():
+            if ref and row != REF and r.steps_per_s > 0:
+                out[(name, row)] = ref.steps_per_s / r.steps_per_s
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal judged on one (scenario, row) cell: ``check`` returns (value, text, passed)."""
+
+    scenario: str
+    row: str
+    label: str
+    check: Callable[[dict[str, RowResult]], tuple[float, str, bool] | None]
+
+
+def speedup_at_least(row: str, goal: float) -> Callable[..., tuple[float, str, bool] | None]:
+    def check(rows: dict[str, RowResult]) -> tuple[float, str, bool] | None:
+        if REF not in rows or row not in rows:
+            return None
+        value = rows[REF].steps_per_s / rows[row].steps_per_s
+        return value, f"{value:.2f}x", value >= goal
+
+    return check
+
+
+def ideal_fraction_at_least(rows: dict[str, RowResult]) -> tuple[float, str, bool] | None:
+    ref = rows.get(REF)
+    if ref is None or not ref.ideal_steps_per_s:
+        return None
+    value = ref.steps_per_s / ref.ideal_steps_per_s
+    return value, f"{value:.0%} of {ref.ideal_steps_per_s:,.0f}/s", value >= 0.9
+
+
+def latency_within_2x(rows: dict[str, RowResult]) -> tuple[float, str, bool] | None:
+    ref, bare = rows.get(REF), rows.get("bare-zmq")
+    if not ref or not bare or not ref.median_latency_us or not bare.median_latency_us:
+        return None
+    value = ref.median_latency_us / bare.median_latency_us
+    return value, f"latency {value:.2f}x bare", value <= 2.0
+
+
+TARGETS = (
+    Target("cheap", "torchrl-shm", ">=3x", speedup_at_least("torchrl-shm", 3.0)),
+    Target("cheap", "torchrl-queue", ">=30x", speedup_at_least("torchrl-queue", 30.0)),
+    Target("cheap", "parallelenv", ">=2x", speedup_at_least("parallelenv", 2.0)),
+    Target("cheap", "serial", ">=1x", speedup_at_least("serial", 1.0)),
+    Target("pixel", "torchrl-shm", ">=3x", speedup_at_least("torchrl-shm", 3.0)),
+    Target("1mib", "torchrl-shm", ">=1x", speedup_at_least("torchrl-shm", 1.0)),
+    Target("latency", "zmqpool", ">=90% of ideal", ideal_fraction_at_least),
+    Target("roundtrip", "bare-zmq", "zmqpool latency <=2x", latency_within_2x),
+)
+
+
+def judge(results: list[RowResult]) -> list[dict[str, Any]]:
+    """Every target whose scenario ran: its value and PASS/MISS (``None``: not measurable)."""
+    table = by_scenario(results)
+    ran = {r.scenario for r in results}
+    out = []
+    for t in TARGETS:
+        if t.scenario not in ran:
+            continue
+        verdict = t.check(table.get(t.scenario, {}))
+        value, text, passed = verdict if verdict else (None, "n/a", None)
+        out.append(
+            {
+                "scenario": t.scenario,
+                "row": t.row,
+                "target": t.label,
+                "value": value,
+                "text": text,
+                "passed": passed,
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def extra_text(r: RowResult) -> str:
+    parts = []
+    if r.gb_per_s is not None:
+        parts.append(f"{r.gb_per_s:.2f} GB/s")
+    if r.ideal_steps_per_s:
+        parts.append(f"{r.steps_per_s / r.ideal_steps_per_s:.0%} of ideal")
+    if r.median_latency_us is not None:
+        parts.append(f"median {r.median_latency_us:,.1f} us")
+    return ", ".join(parts)
+
+
+def target_text(scenario: str, row: str, verdicts: list[dict[str, Any]]) -> str:
+    cells = []
+    for v in verdicts:
+        if (v["scenario"], v["row"]) == (scenario, row):
+            status = {True: "PASS", False: "MISS", None: "n/a"}[v["passed"]]
+            cells.append(f"{v['target']}: {status} ({v['text']})")
+    return "; ".join(cells)
+
+
+def markdown_table(results: list[RowResult], verdicts: list[dict[str, Any]]) -> str:
+    ratio = ratios(results)
+    lines = [
+        "| scenario | row | envs | steps/s | | zmqpool / row | target |",
+        "|---|---|--:|--:|---|--:|---|",
+    ]
+    for r in results:
+        rate = f"ERROR: {r.error}" if r.error else f"{r.steps_per_s:,.0f}"
+        speedup = f"{ratio[(r.scenario, r.row)]:.2f}x" if (r.scenario, r.row) in ratio else ""
+        cells = [
+            r.scenario,
+            r.row,
+            str(r.num_envs),
+            rate,
+            extra_text(r),
+            speedup,
+            target_text(r.scenario, r.row, verdicts),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, results: list[RowResult], verdicts: list, meta: dict) -> None:
+    payload = {
+        "meta": meta,
+        "results": [asdict(r) for r in results],
+        "ratios": [
+            {"scenario": s, "row": row, "zmqpool_over_row": v}
+            for (s, row), v in ratios(results).items()
+        ],
+        "targets": verdicts,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def write_plot(path: Path, results: list[RowResult]) -> None:
+    """A grouped bar chart of steps/s per scenario and row, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r.scenario for r in results))
+    rows = [row for row in ALL_ROWS if any(r.row == row for r in results)]
+    width = 0.8 / max(len(rows), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(scenarios)), 4.5))
+    for j, row in enumerate(rows):
+        cells = [
+            (scenarios.index(r.scenario), r.steps_per_s)
+            for r in results
+            if r.row == row and r.steps_per_s > 0
+        ]
+        if cells:
+            xs, ys = zip(*cells, strict=True)
+            ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], ys, width, label=row)
+    ax.set_xticks(range(len(scenarios)), scenarios)
+    ax.set_yscale("log")
+    ax.set_ylabel("env-steps / s")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def meta(args: argparse.Namespace, cfg: Config, wall_s: float) -> dict[str, Any]:
+    return {
+        "argv": sys.argv[1:],
+        "config": asdict(cfg),
+        "quick": args.quick,
+        "wall_s": wall_s,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchrl": torchrl.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "gymnasium": gymnasium.__version__,
+        "machine": platform.platform(),
+    }
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        picked = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = sorted(set(picked) - set(choices))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {choices}")
+        return picked
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--scenarios",
+        type=names(tuple(build_scenarios(False))),
+        default=None,
+        help="comma-separated scenarios (default: all)",
+    )
+    p.add_argument(
+        "--rows", type=names(ALL_ROWS), default=None, help="comma-separated rows (default: all)"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="measured wall time per row (default 3, 0.3 with --quick)",
+    )
+    p.add_argument(
+        "--num-envs", type=int, default=None, help="envs per pool (default 4, 2 with --quick)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny payloads, short rows, a subset of rows: a smoke run",
+    )
+    p.add_argument(
+        "--row-timeout",
+        type=float,
+        default=300.0,
+        help="abort a row (build + run + close) after this many seconds",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write all results here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
+    return p.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace) -> Config:
+    seconds = args.seconds or (0.3 if args.quick else 3.0)
+    return Config(
+        seconds=seconds,
+        warmup_s=min(1.0, max(0.1, seconds / 3)),
+        num_envs=args.num_envs or (2 if args.quick else 4),
+        row_timeout_s=args.row_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = make_config(args)
+    table = build_scenarios(args.quick)
+    scenarios = [table[n] for n in (args.scenarios or table) if n in table]
+    start = time.perf_counter()
+    results = run_all(scenarios, set(args.rows or ALL_ROWS), cfg)
+    verdicts = judge(results)
+    wall_s = time.perf_counter() - start
+    print(markdown_table(results, verdicts))
+    print(f"\n{len(results)} rows in {wall_s:.1f} s; targets are informational.")
+    if args.json:
+        write_json(args.json, results, verdicts, meta(args, cfg, wall_s))
+    if args.plot:
+        write_plot(args.plot, results)
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The envs a worker hosts, and what each command does to them. No sockets here.
+
+A worker hosts one or more envs, each known by its pool index. A command is
+answered by one small handler from :data:`HANDLERS`; each takes the env and
+the decoded input tensordict and returns the tensordict parts of the reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDict, TensorDictBase
+from torchrl.envs import EnvBase
+
+from zmqpool.errors import EnvMakerError, ProtocolError
+from zmqpool.wire import Command
+
+Parts = list[TensorDictBase]
+Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
+
+
+def _step(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    # The pool keeps the input it sent; only the new "next" subtree comes back.
+    return [env.step(_need(td)).get("next")]
+
+
+def _step_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    return [env._step(_need(td))]
+
+
+def _reset(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    return [env.reset(td)]
+
+
+def _reset_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    return [env._reset(td)]
+
+
+def _step_and_maybe_reset(
+    env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]
+) -> Parts:
+    result, next_root = env.step_and_maybe_reset(_need(td))
+    return [result.get("next"), next_root]
+
+
+def _seed(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    seed = body.get("seed")
+    if seed is not None and not isinstance(seed, int):
+        raise ProtocolError(f"seed must be an integer or nil, got {seed!r}")
+    env.set_seed(seed, static_seed=True)
+    return []
+
+
+def _need(td: TensorDictBase | None) -> TensorDictBase:
+    if td is None:
+        raise ProtocolError("this command needs an input tensordict")
+    return td
+
+
+HANDLERS: dict[Command, Handler] = {
+    Command.STEP: _step,
+    Command.STEP_RAW: _step_raw,
+    Command.RESET: _reset,
+    Command.RESET_RAW: _reset_raw,
+    Command.STEP_AND_MAYBE_RESET: _step_and_maybe_reset,
+    Command.SEED: _seed,
+}
+
+
+@dataclasses.dataclass
+class EnvRecipe:
+    """How to build one env: a callable (or an env instance) and its kwargs."""
+
+    maker: Any
+    kwargs: dict[str, Any]
+
+    def build(self) -> EnvBase:
+        if isinstance(self.maker, EnvBase):
+            return self.maker
+        env = self.maker(**self.kwargs)
+        if not isinstance(env, EnvBase):
+            raise TypeError(f"the env maker returned {type(env).__name__}, not a torchrl EnvBase")
+        return env
+
+
+def recipe_from_name(name: str, kwargs: Mapping[str, Any]) -> EnvRecipe:
+    """An env recipe from an importable ``package.module:callable`` name."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--env must look like package.module:callable, got {name!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return EnvRecipe(target, dict(kwargs))
+
+
+class EnvHost:
+    """The envs of one worker, by pool index."""
+
+    def __init__(self, envs: Mapping[int, EnvBase]) -> None:
+        self.envs = dict(envs)
+
+    @classmethod
+    def build(cls, indices: Sequence[int], recipes: Sequence[EnvRecipe]) -> EnvHost:
+        """Build every env; an env maker that raises becomes an :class:`EnvMakerError`."""
+        envs = {}
+        for index, recipe in zip(indices, recipes, strict=True):
+            try:
+                envs[index] = recipe.build()
+            except Exception as err:
+                raise EnvMakerError(
+                    index, f"env maker raised {err!r}", traceback.format_exc()
+                ) from err
+        return cls(envs)
+
+    def run(self, command: Command, env_index: int, td: TensorDictBase | None, body) -> Parts:
+        env = self.envs.get(env_index)
+        if env is None:
+            raise ProtocolError(f"this worker does not host env {env_index}")
+        handler = HANDLERS.get(command)
+        if handler is None:
+            raise ProtocolError(f"command {command.name} is not an env command")
+        return handler(env, td, body or {})
+
+    def close(self) -> None:
+        for env in self.envs.values():
+            # Closing is best effort: the process is about to exit.
+            with contextlib.suppress(Exception):
+                env.close()
+
+
+def empty_like_batch(env: EnvBase) -> TensorDict:
+    return TensorDict({}, batch_size=env.batch_size)

@@ -1,0 +1,250 @@
+"""The pool's sockets: a ROUTER that routes commands to workers by env index, a PULL for results.
+
+::
+
+    pool ──send()──▶ ROUTER (bind) ── [identity, header, frames…] ──▶ worker DEALER
+    pool ◀─poll()─── PULL (bind)   ◀── [header, frames…] ─────────── worker PUSH
+                     ROUTER        ◀── REGISTER / FAILED / HEARTBEAT ─ worker DEALER
+
+``ROUTER_MANDATORY`` is on, so a command to a worker that is not connected
+raises instead of vanishing; ``ROUTER_HANDOVER`` is on, so a restarted worker
+takes its identity back. Local worker processes are watched through pidfds
+polled beside the sockets: a death is seen at once, not after a timeout.
+
+The broker only moves frames and keeps the :class:`~zmqpool.state.Ledger`
+true; what to do about a dead worker is the pool's decision, so the broker
+reports it as an :class:`Event`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from zmqpool.config import PoolConfig
+from zmqpool.errors import EnvError, ProtocolError, RegistrationError
+from zmqpool.launcher import LocalProcess
+from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
+from zmqpool.wire import Command, Decoder, Encoder, Header, encode_message
+
+log = logging.getLogger("zmqpool")
+
+#: How many messages one poll drains from a socket before looking at the others.
+_DRAIN_BATCH = 256
+
+
+@dataclasses.dataclass
+class Event:
+    """Something the pool must decide about: ``exited`` (a local process died) or ``failed``."""
+
+    kind: str
+    identity: bytes
+    detail: dict[str, Any]
+
+
+Admit = Callable[[bytes, dict[str, Any]], list[int]]
+
+
+class Broker:
+    """Sockets, registration and result intake; see the module docstring."""
+
+    def __init__(self, ledger: Ledger, config: PoolConfig, router_ep: str, results_ep: str) -> None:
+        self.ledger = ledger
+        self.config = config
+        self.context = zmq.Context()
+        self.router = self._bind(zmq.ROUTER, router_ep)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.pull = self._bind(zmq.PULL, results_ep)
+        self.router_ep = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.results_ep = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.workers: dict[bytes, WorkerRecord] = {}
+        self.processes: dict[int, tuple[bytes, LocalProcess]] = {}
+        self.events: list[Event] = []
+        self.admit: Admit | None = None
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.linger = 0
+        sock.bind(endpoint)
+        return sock
+
+    # ------------------------------------------------------------ processes
+
+    def watch(self, identity: bytes, process: LocalProcess) -> None:
+        self.processes[process.pidfd] = (identity, process)
+        self.poller.register(process.pidfd, zmq.POLLIN)
+
+    def unwatch(self, process: LocalProcess) -> None:
+        if process.pidfd in self.processes:
+            del self.processes[process.pidfd]
+            self.poller.unregister(process.pidfd)
+
+    def _on_process_exit(self, pidfd: int) -> None:
+        identity, process = self.processes[pidfd]
+        self.unwatch(process)
+        status = process.exit_status()
+        process.release()
+        self.events.append(Event("exited", identity, {"status": status, "pid": process.pid}))
+
+    # ------------------------------------------------------------ sending
+
+    def send(
+        self, env: int, command: Command, parts: list[Any], per_env: bool, inputs: Any, body=None
+    ) -> Pending:
+        """Encode and route one command to the worker hosting ``env``."""
+        worker = self.ledger.slots[env].worker
+        if worker is None:
+            raise RegistrationError(f"env {env} has no registered worker")
+        encoded = [worker.encoder.encode(part) for part in parts]
+        pending = self.ledger.open_request(env, command, per_env, inputs, time.monotonic())
+        frames = encode_message(Header(command, env, pending.seq, body=body), encoded)
+        self.route(worker.identity, frames)
+        return pending
+
+    def route(self, identity: bytes, frames: list[Any]) -> bool:
+        try:
+            self.router.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as err:  # EHOSTUNREACH: the worker is gone; liveness handles it
+            log.debug("could not route to %r: %s", identity, err)
+            return False
+        return True
+
+    # ------------------------------------------------------------ receiving
+
+    def poll(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for traffic, then take in everything that is ready."""
+        events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        if self.pull in events:
+            self._drain(self.pull, self._on_result)
+        if self.router in events:
+            self._drain(self.router, self._on_control)
+        for fd in list(events):
+            if isinstance(fd, int) and fd in self.processes:
+                self._on_process_exit(fd)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _on_result(self, frames: list[zmq.Frame]) -> None:
+        try:
+            header = Header.decode(frames[0].buffer)
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed result header: {type(err).__name__}")
+            return
+        if header.command not in (Command.RESULT, Command.ERROR):
+            self.ledger.drop("not a result on the results socket")
+            return
+        pending = self.ledger.match(header.env, header.seq, header.token)
+        if pending is None:
+            return
+        self.ledger.deliver(self._reply(header, pending, frames[1:]))
+
+    def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
+        worker = self.ledger.slots[header.env].worker
+        assert worker is not None  # match() checked the token against it
+        worker.last_seen = time.monotonic()
+        if header.command == Command.ERROR:
+            body = header.body or {}
+            error = EnvError(header.env, str(body.get("err", "")), str(body.get("tb", "")))
+            return Reply(header.env, pending, error=error)
+        try:
+            return Reply(header.env, pending, parts=worker.decoder.decode(header, frames))
+        except ProtocolError as err:
+            # The request was real; its reply is broken: answer it with the error.
+            return Reply(header.env, pending, error=EnvError(header.env, f"malformed reply: {err}"))
+
+    def _on_control(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.ledger.drop("control message without a header")
+            return
+        identity = frames[0].bytes
+        try:
+            header = Header.decode(frames[1].buffer)
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed control header: {type(err).__name__}")
+            self._refuse_if_version(identity, err)
+            return
+        handler = self._CONTROL.get(header.command)
+        if handler is None:
+            self.ledger.drop("unexpected command on the control socket")
+            return
+        handler(self, identity, header)
+
+    def _refuse_if_version(self, identity: bytes, err: ProtocolError) -> None:
+        from zmqpool.errors import VersionMismatchError
+
+        if isinstance(err, VersionMismatchError):
+            log.warning("refused worker %r: %s", identity, err)
+            self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+
+    def _on_heartbeat(self, identity: bytes, header: Header) -> None:
+        worker = self.workers.get(identity.removesuffix(b"!hb"))
+        if worker is not None:
+            worker.last_seen = time.monotonic()
+
+    def _on_failed(self, identity: bytes, header: Header) -> None:
+        body = header.body or {}
+        detail = {"env": header.env, "err": body.get("err", ""), "tb": body.get("tb", "")}
+        self.events.append(Event("failed", identity, detail))
+
+    def _on_register(self, identity: bytes, header: Header) -> None:
+        reg = (header.body or {}).get("reg")
+        try:
+            if not isinstance(reg, dict) or self.admit is None:
+                raise RegistrationError("REGISTER without registration data")
+            envs = self.admit(identity, reg)
+        except (RegistrationError, ProtocolError) as err:
+            log.warning("refused worker %r: %s", identity, err)
+            self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+            return
+        self._welcome(identity, envs, reg)
+
+    def _welcome(self, identity: bytes, envs: list[int], reg: dict[str, Any]) -> None:
+        token = os.urandom(16)
+        pid = reg["pid"] if isinstance(reg.get("pid"), int) else -1
+        record = WorkerRecord(
+            identity,
+            token,
+            tuple(envs),
+            pid,
+            Decoder(),
+            Encoder(self.config.zero_copy_threshold_bytes),
+            time.monotonic(),
+        )
+        self.workers[identity] = record
+        for env in envs:
+            self.ledger.slots[env].worker = record
+        body = {"reg": {"token": token, "envs": envs, "results": self.results_ep}}
+        self.route(identity, [Header(Command.WELCOME, body=body).encode()])
+        self.events.append(Event("registered", identity, {"envs": envs, "reg": reg}))
+
+    _CONTROL = {
+        Command.REGISTER: _on_register,
+        Command.FAILED: _on_failed,
+        Command.HEARTBEAT: _on_heartbeat,
+    }
+
+    def take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        for pidfd in list(self.processes):
+            self.poller.unregister(pidfd)
+        self.processes.clear()
+        self.context.destroy(linger=0)

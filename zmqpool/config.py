@@ -1,0 +1,58 @@
+"""Every timing and limit of the pool, in one frozen, checked object.
+
+Tests shrink these instead of sleeping longer; each field carries its unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zmqpool.wire import ZERO_COPY_THRESHOLD
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Timings and limits of a :class:`~zmqpool.ZMQAsyncEnvPool`.
+
+    Example:
+        >>> from zmqpool import PoolConfig
+        >>> PoolConfig(step_timeout_s=5.0).step_timeout_s
+        5.0
+    """
+
+    #: how long construction waits for every env slot to register.
+    register_timeout_s: float = 120.0
+    #: how long ``close()`` waits for workers to exit before killing them.
+    close_timeout_s: float = 3.0
+    #: an env step or reset running longer than this is hung (None: never).
+    step_timeout_s: float | None = None
+    #: how often workers and the pool send heartbeats.
+    heartbeat_interval_s: float = 1.0
+    #: missed heartbeats after which a worker is declared silent.
+    heartbeat_liveness: int = 10
+    #: more than this many restarts of one env within ``restart_window_s``
+    #: is a crash loop and raises.
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    #: first restart delay, doubled for each restart within the window.
+    restart_backoff_s: float = 0.05
+    restart_backoff_max_s: float = 2.0
+    #: leaves at least this large travel as their own zero-copy frame.
+    zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name == "step_timeout_s":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"PoolConfig.{field.name} must be a number >= 0, got {value!r}")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 1:
+            raise ValueError("PoolConfig heartbeats need an interval > 0 and a liveness >= 1")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ValueError("PoolConfig.step_timeout_s must be > 0 or None")
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """Silence after which a worker is declared dead."""
+        return self.heartbeat_interval_s * self.heartbeat_liveness

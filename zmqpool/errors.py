@@ -1,0 +1,77 @@
+"""The exception tree of zmqpool.
+
+Every error the pool raises on purpose is a :class:`ZMQPoolError`; where a
+builtin already names the situation for torchrl users (``TimeoutError`` for a
+recv deadline, ``RuntimeError`` for a busy env, ``ValueError`` for a bad
+argument) the class also derives from it, so ``except RuntimeError`` written
+against torchrl's pool keeps working::
+
+    ZMQPoolError
+    ├── ProtocolError (ValueError)       a frame or header that breaks the wire contract
+    │   └── VersionMismatchError         a peer speaking another protocol version
+    ├── RegistrationError (RuntimeError) a worker refused, or slots left unfilled
+    ├── EnvError (RuntimeError)          an env raised in a worker; carries its traceback
+    │   └── EnvMakerError                the env maker itself raised
+    ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
+    │   └── CrashLoopError               restarts exceeded the configured limit
+    └── PoolClosedError (RuntimeError)   the pool was used after ``close()``
+"""
+
+from __future__ import annotations
+
+
+class ZMQPoolError(Exception):
+    """Base class of every error zmqpool raises on purpose."""
+
+
+class ProtocolError(ZMQPoolError, ValueError):
+    """A message broke the wire contract (bad header, frame count, size, dtype...)."""
+
+
+class VersionMismatchError(ProtocolError):
+    """A peer speaks another protocol version."""
+
+
+class RegistrationError(ZMQPoolError, RuntimeError):
+    """A worker was refused at registration, or env slots were never filled."""
+
+
+class EnvError(ZMQPoolError, RuntimeError):
+    """An env raised inside its worker.
+
+    Attributes:
+        env_index: the pool index of the env that raised.
+        remote_traceback: the traceback text formatted in the worker.
+    """
+
+    def __init__(self, env_index: int, message: str, remote_traceback: str = "") -> None:
+        self.env_index = env_index
+        self.remote_traceback = remote_traceback
+        text = f"env {env_index}: {message}"
+        if remote_traceback:
+            text += f"\n--- worker traceback ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class EnvMakerError(EnvError):
+    """The env maker raised while building an env in its worker."""
+
+
+class EnvLostError(ZMQPoolError, RuntimeError):
+    """An env's worker died or went silent and the env could not be recovered.
+
+    Attributes:
+        env_indices: the pool indices of the envs that are lost.
+    """
+
+    def __init__(self, env_indices: list[int], message: str) -> None:
+        self.env_indices = list(env_indices)
+        super().__init__(f"envs {self.env_indices}: {message}")
+
+
+class CrashLoopError(EnvLostError):
+    """An env restarted more than ``max_restarts`` times within ``restart_window_s``."""
+
+
+class PoolClosedError(ZMQPoolError, RuntimeError):
+    """The pool was used after ``close()``."""

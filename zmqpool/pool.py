@@ -1,0 +1,539 @@
+"""``ZMQAsyncEnvPool``: torchrl's ``AsyncEnvPool``, with ZeroMQ as its transport.
+
+The pool owns a :class:`~zmqpool.broker.Broker` (its sockets), a
+:class:`~zmqpool.state.Ledger` (what is in flight and what is ready) and the
+local worker processes. Its public methods are torchrl's, with torchrl's
+semantics; everything zmqpool adds is a keyword argument with a safe default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDictBase
+from tensordict.utils import expand_as_right
+from torchrl.envs import AsyncEnvPool, EnvBase
+
+from zmqpool.broker import Broker, Event
+from zmqpool.config import PoolConfig
+from zmqpool.endpoints import ipc_endpoints, make_private_dir, remove_private_dir
+from zmqpool.errors import (
+    EnvLostError,
+    EnvMakerError,
+    PoolClosedError,
+    ProtocolError,
+    RegistrationError,
+)
+from zmqpool.launcher import LocalProcess, pickle_recipes, stop_all, worker_argv
+from zmqpool.specs import spec_from_data
+from zmqpool.state import Channel, Kind, Ledger, Reply
+from zmqpool.wire import Command, DecodedPart, Header, stack_parts
+
+log = logging.getLogger("zmqpool")
+
+_STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
+
+
+def _is_single_maker(env_makers: Any) -> bool:
+    return not isinstance(env_makers, (Sequence, EnvBase))
+
+
+class _Resources:
+    """What must be released when the pool goes, even if it is dropped without ``close()``.
+
+    Kept apart from the pool so a ``weakref.finalize`` can release it without
+    holding the pool alive.
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.directory = make_private_dir()
+        self.processes: dict[bytes, LocalProcess] = {}
+        self.broker: Broker | None = None
+        self.closed = False
+
+    def release(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.broker is not None:
+            close = Header(Command.CLOSE).encode()
+            for identity in list(self.broker.workers):
+                self.broker.route(identity, [close])
+        stop_all(list(self.processes.values()), self.config.close_timeout_s)
+        if self.broker is not None:
+            self.broker.close()
+        remove_private_dir(self.directory)
+
+
+class ZMQAsyncEnvPool(AsyncEnvPool):
+    """A drop-in :class:`torchrl.envs.AsyncEnvPool` whose envs run in processes reached over ZeroMQ.
+
+    Args:
+        env_makers: a callable returning an env, a list of them, or env
+            instances (sent cloudpickled to the worker). Lambdas and closures
+            work.
+        stack: ``"dense"``, ``"maybe_dense"`` or ``"lazy"`` (heterogeneous envs).
+        create_env_kwargs: a dict, or one dict per env.
+        envs_per_worker: envs hosted by each worker process.
+        worker_affinity: one CPU mask per worker, or a callable ``worker -> mask``.
+        config: timings and limits (:class:`~zmqpool.PoolConfig`).
+        backend, exchange: accepted for compatibility with code written for
+            torchrl's pool; the transport is always ZeroMQ.
+
+    Example:
+        >>> from zmqpool import ZMQAsyncEnvPool
+        >>> from zmqpool.testing import CountingEnv
+        >>> pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(2)])
+        >>> td = pool.reset()
+        >>> pool.async_step_send(pool.rand_action(td), env_index=[0, 1])
+        >>> out = pool.async_step_recv(min_get=1)
+        >>> pool.close()
+    """
+
+    def __init__(
+        self,
+        env_makers: Callable[[], EnvBase] | EnvBase | Sequence[Any],
+        *,
+        stack: Literal["dense", "maybe_dense", "lazy"] = "dense",
+        create_env_kwargs: dict | list[dict] | None = None,
+        envs_per_worker: int = 1,
+        worker_affinity: Any = None,
+        config: PoolConfig | None = None,
+        backend: str | None = None,
+        exchange: str | None = None,
+    ) -> None:
+        if backend not in (None, "multiprocessing"):
+            raise ValueError(f"ZMQAsyncEnvPool runs envs in processes; backend={backend!r}")
+        if exchange not in (None, "queue", "shm", "auto"):
+            raise ValueError(f"exchange must be 'queue', 'shm' or 'auto', got {exchange!r}")
+        if _is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
+            # One maker and one kwargs dict per env: torchrl refuses this; it means N envs.
+            env_makers = [env_makers] * len(create_env_kwargs)
+        self.config = config or PoolConfig()
+        self._resources = _Resources(self.config)
+        self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
+        self._outstanding = dict.fromkeys(Kind, 0)
+        super().__init__(
+            env_makers,
+            backend="multiprocessing",
+            stack=stack,
+            exchange="queue",
+            worker_affinity=worker_affinity,
+            envs_per_worker=envs_per_worker,
+            create_env_kwargs=create_env_kwargs,
+        )
+        self.exchange = "zmq"
+
+    # ------------------------------------------------------------ set-up
+
+    def _setup(self) -> tuple[Any, Any]:
+        try:
+            return self._start()
+        except BaseException:
+            self._resources.release()
+            raise
+
+    def _start(self) -> tuple[Any, Any]:
+        self._ledger = Ledger(self.num_envs)
+        endpoints = ipc_endpoints(self._resources.directory)
+        self._broker = Broker(self._ledger, self.config, endpoints.router, endpoints.results)
+        self._resources.broker = self._broker
+        self._broker.admit = self._admit
+        self._worker_envs = self._plan_workers()
+        self._registrations: dict[int, dict[str, Any]] = {}
+        for worker_index in range(len(self._worker_envs)):
+            self._spawn(worker_index)
+        self._await_registration()
+        self._child_specs = [
+            spec_from_data(self._registrations[i]["spec"]) for i in range(self.num_envs)
+        ]
+        self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
+        specs: Any = torch.stack(list(self._child_specs))
+        return specs["output_spec"], specs["input_spec"]
+
+    def _plan_workers(self) -> list[tuple[int, ...]]:
+        per = self.envs_per_worker
+        return [tuple(range(s, min(s + per, self.num_envs))) for s in range(0, self.num_envs, per)]
+
+    def _identity(self, worker_index: int) -> bytes:
+        return f"w{worker_index}".encode()
+
+    def _spawn(self, worker_index: int) -> None:
+        indices = self._worker_envs[worker_index]
+        payload = pickle_recipes(
+            indices,
+            [self.env_makers[i] for i in indices],
+            [self.create_env_kwargs[i] for i in indices],
+        )
+        identity = self._identity(worker_index)
+        argv = worker_argv(
+            self._broker.router_ep, identity.decode(), indices, self.config.heartbeat_interval_s
+        )
+        affinity = None if self._worker_affinity is None else self._worker_affinity[worker_index]
+        process = LocalProcess(argv, payload, affinity)
+        self._resources.processes[identity] = process
+        self._broker.watch(identity, process)
+
+    def _admit(self, identity: bytes, reg: dict[str, Any]) -> list[int]:
+        """Decide a REGISTER: a local worker gets exactly the envs it was spawned for."""
+        expected = {self._identity(w): envs for w, envs in enumerate(self._worker_envs)}
+        envs = reg.get("envs")
+        if identity not in expected:
+            raise RegistrationError(f"unknown worker identity {identity!r}")
+        if envs != list(expected[identity]):
+            raise RegistrationError(
+                f"worker {identity!r} offers envs {envs}, expected {expected[identity]}"
+            )
+        specs = reg.get("specs")
+        if not isinstance(specs, list) or len(specs) != len(envs):
+            raise ProtocolError("REGISTER must carry one spec per env")
+        for env, spec in zip(envs, specs, strict=True):
+            spec_from_data(spec)  # validate before accepting
+            self._registrations[env] = {"spec": spec, "identity": identity}
+        return list(envs)
+
+    def _await_registration(self) -> None:
+        deadline = time.monotonic() + self.config.register_timeout_s
+        while len(self._registrations) < self.num_envs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.num_envs)) - set(self._registrations))
+                raise RegistrationError(
+                    f"envs {missing} did not register within {self.config.register_timeout_s} s"
+                )
+            self._broker.poll(min(remaining, 0.1))
+            for event in self._broker.take_events():
+                self._on_setup_event(event)
+
+    def _on_setup_event(self, event: Event) -> None:
+        if event.kind == "failed":
+            detail = event.detail
+            raise EnvMakerError(detail["env"], str(detail["err"]), str(detail["tb"]))
+        if event.kind == "exited":
+            # A FAILED message may still be in flight: give it a moment to arrive.
+            self._broker.poll(0.5)
+            for other in self._broker.take_events():
+                if other.kind == "failed":
+                    self._on_setup_event(other)
+            envs = list(self._worker_envs[int(event.identity[1:])])
+            raise RegistrationError(
+                f"the worker of envs {envs} exited with status {event.detail['status']} "
+                "before registering (see its stderr above)"
+            )
+
+    # ------------------------------------------------------------ torchrl hooks
+
+    def _get_child_specs(self) -> list:
+        return self._child_specs
+
+    @property
+    def env_batch_sizes(self) -> list[torch.Size]:
+        return self._env_batch_sizes
+
+    @property
+    def resolved_exchange(self) -> str:  # type: ignore[override]
+        return "zmq"
+
+    # torchrl's base methods read these counters to refuse overlapping calls.
+    @property
+    def _current_step(self) -> int:
+        return self._outstanding[Kind.STEP]
+
+    @property
+    def _current_reset(self) -> int:
+        return self._outstanding[Kind.RESET]
+
+    @property
+    def _current_step_reset(self) -> int:
+        return self._outstanding[Kind.STEP_RESET]
+
+    # ------------------------------------------------------------ sync API
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
+        self._check_idle(Kind.STEP)
+        self._set_env_index(tensordict, list(range(tensordict.shape[0])))
+        self.async_step_send(tensordict)
+        replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
+        tensordict.set("next", self._stack([r.parts[0] for r in replies]))
+        return tensordict
+
+    def step_and_maybe_reset(
+        self, tensordict: TensorDictBase
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        """Like ``EnvBase.step_and_maybe_reset``: ``tensordict`` with ``"next"``, and the next root.
+
+        torchrl's pool writes ``env_index`` into the caller's tensordict as a
+        tensor, which breaks its own ``Collector``; here it stays a
+        ``NonTensorStack``, as in every result.
+        """
+        self._check_idle(Kind.STEP_RESET)
+        idx = list(range(tensordict.shape[0]))
+        self._set_env_index(tensordict, idx)
+        self.async_step_and_maybe_reset_send(tensordict)
+        replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
+        tensordict.set("next", self._stack([r.parts[0] for r in replies]))
+        next_root = self._stack([r.parts[1] for r in replies])
+        self._set_env_index(next_root, idx)
+        return tensordict, next_root
+
+    def _check_idle(self, kind: Kind) -> None:
+        if self._outstanding[kind] > 0:
+            raise RuntimeError("Some envs are still processing a step.")
+
+    # ------------------------------------------------------------ sending
+
+    def _send(
+        self,
+        command: Command,
+        tensordict: TensorDictBase | None,
+        env_index: int | list[int] | None,
+        make_if_none: bool,
+    ) -> None:
+        self._check_open()
+        self._check_env_index_arg(env_index)
+        tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
+        per_env = isinstance(env_index, int)
+        local_tds = self._validate_batch(tensordict, env_idx)
+        kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
+        kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
+        if not per_env:
+            busy = self._busy.intersection(env_idx)
+            if busy:
+                raise RuntimeError(
+                    f"Some envs are still processing a step: envs that are busy: {sorted(busy)}, "
+                    f"queried: {env_idx}."
+                )
+        for env, local in zip(env_idx, local_tds, strict=True):
+            payload = local.exclude(self._env_idx_key, "next")
+            self._broker.send(env, command, [payload], per_env, inputs=local)
+        if not per_env:
+            self._busy.update(env_idx)
+            self._outstanding[kind] += len(env_idx)
+
+    def _check_env_index_arg(self, env_index: Any) -> None:
+        if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
+            raise IndexError(f"env_index {env_index} is out of range for {self.num_envs} envs")
+
+    def _validate_batch(self, tensordict: TensorDictBase, env_idx: list) -> tuple:
+        env_idx[:] = [int(i) for i in env_idx]
+        bad = [i for i in env_idx if not 0 <= i < self.num_envs]
+        if bad:
+            raise IndexError(f"env indices {bad} are out of range for {self.num_envs} envs")
+        if len(set(env_idx)) != len(env_idx):
+            raise ValueError(f"env indices {env_idx} repeat an env")
+        if tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
+            raise ValueError(
+                f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
+                f"the {len(env_idx)} env indices {env_idx}"
+            )
+        return tensordict.unbind(0)
+
+    def async_step_send(self, tensordict, env_index=None) -> None:
+        self._send(Command.STEP, tensordict, env_index, False)
+
+    def _async_private_step_send(self, tensordict, env_index=None) -> None:
+        self._send(Command.STEP_RAW, tensordict, env_index, False)
+
+    def async_step_and_maybe_reset_send(self, tensordict, env_index=None) -> None:
+        self._send(Command.STEP_AND_MAYBE_RESET, tensordict, env_index, False)
+
+    def async_reset_send(self, tensordict=None, env_index=None) -> None:
+        self._send(Command.RESET, tensordict, env_index, True)
+
+    def _async_private_reset_send(self, tensordict=None, env_index=None) -> None:
+        self._send(Command.RESET_RAW, tensordict, env_index, True)
+
+    # ------------------------------------------------------------ receiving
+
+    def async_step_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
+        replies = self._recv(Kind.STEP, min_get, env_index, max_get, timeout)
+        return self._assemble(replies)[0]
+
+    _async_private_step_recv = async_step_recv
+
+    def async_reset_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
+        replies = self._recv(Kind.RESET, min_get, env_index, max_get, timeout)
+        return self._assemble(replies)[0]
+
+    _async_private_reset_recv = async_reset_recv
+
+    def async_step_and_maybe_reset_recv(
+        self, min_get=None, env_index=None, *, max_get=None, timeout=None
+    ):
+        replies = self._recv(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
+        result, next_root = self._assemble(replies)
+        return result, next_root
+
+    def _recv(
+        self,
+        kind: Kind,
+        min_get: int | None,
+        env_index: int | None,
+        max_get: int | None,
+        timeout: float | None,
+    ) -> list[Reply]:
+        self._check_open()
+        if env_index is not None:
+            self._check_env_index_arg(env_index)
+            return self._collect((kind, env_index), 1, 1, None)
+        min_get = self.min_get if min_get is None else min_get
+        self._check_recv_args(kind, min_get, max_get, timeout)
+        replies = self._collect((kind, None), min_get, max_get, timeout)
+        self._outstanding[kind] -= len(replies)
+        self._busy.difference_update(r.env for r in replies)
+        return replies
+
+    def _check_recv_args(self, kind: Kind, min_get: int, max_get: int | None, timeout) -> None:
+        if min_get < 1:
+            raise ValueError(f"min_get must be positive, got {min_get}.")
+        if max_get is not None and max_get < min_get:
+            raise ValueError(f"max_get ({max_get}) must be >= min_get ({min_get}).")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be non-negative, got {timeout}.")
+        if min_get > self._outstanding[kind]:
+            raise RuntimeError(
+                f"Cannot await {min_get} {kind.value} when only "
+                f"{self._outstanding[kind]} are in flight."
+            )
+
+    def _collect(
+        self, channel: Channel, min_get: int, max_get: int | None, timeout: float | None
+    ) -> list[Reply]:
+        """Wait for ``min_get`` replies, then take what else is ready (up to ``max_get``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._ledger.count_ready(channel) < min_get:
+            self._raise_ready_error(channel)
+            remaining = self._remaining(deadline)
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"async recv timed out: {self._ledger.count_ready(channel)}/{min_get} results "
+                    f"after {timeout}s; they remain available to the next call."
+                )
+            self._pump(remaining)
+        self._top_up(channel, max_get, deadline)
+        self._raise_ready_error(channel)
+        return sorted(self._ledger.take(channel, max_get), key=lambda r: r.env)
+
+    def _top_up(self, channel: Channel, max_get: int | None, deadline: float | None) -> None:
+        """As torchrl: with a deadline, keep collecting until it passes or max_get is met."""
+        self._pump(0)
+        limit = float("inf") if max_get is None else max_get
+        while deadline is not None and self._ledger.count_ready(channel) < limit:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._pump(remaining)
+
+    def _remaining(self, deadline: float | None) -> float:
+        if deadline is None:
+            return self.config.heartbeat_interval_s
+        return min(deadline - time.monotonic(), self.config.heartbeat_interval_s)
+
+    def _pump(self, timeout_s: float) -> None:
+        """Move frames in, then act on what the broker saw (deaths, failures)."""
+        self._broker.poll(timeout_s)
+        for event in self._broker.take_events():
+            self._on_event(event)
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind == "exited":
+            envs = self._envs_of(event.identity)
+            status = event.detail["status"]
+            log.warning("worker of envs %s exited with status %s", envs, status)
+            self._fail_envs(envs, f"its worker process exited with status {status}")
+        elif event.kind == "failed":
+            log.warning("worker %r failed: %s", event.identity, event.detail["err"])
+
+    def _envs_of(self, identity: bytes) -> list[int]:
+        return [s.index for s in self._ledger.slots if s.worker and s.worker.identity == identity]
+
+    def _fail_envs(self, envs: list[int], why: str) -> None:
+        for env in envs:
+            slot = self._ledger.slots[env]
+            slot.worker = None
+            while slot.in_flight:
+                pending = slot.in_flight.popleft()
+                error = EnvLostError([env], why)
+                self._ledger.deliver(Reply(env, pending, error=error))
+
+    def _raise_ready_error(self, channel: Channel) -> None:
+        reply = self._ledger.first_error(channel)
+        if reply is None:
+            return
+        self._ledger.remove(channel, reply)
+        if channel[1] is None:
+            self._outstanding[channel[0]] -= 1
+            self._busy.discard(reply.env)
+        assert reply.error is not None
+        raise reply.error
+
+    # ------------------------------------------------------------ assembling results
+
+    def _assemble(self, replies: list[Reply]) -> tuple[TensorDictBase, TensorDictBase | None]:
+        command = replies[0].pending.command
+        if any(r.pending.command != command for r in replies):
+            raise RuntimeError("cannot stack replies to different commands in one recv")
+        idx = [r.env for r in replies]
+        if command in _STEP_COMMANDS:
+            root = self._stack_tds([r.pending.inputs for r in replies])
+            root = root.exclude(self._env_idx_key)
+            root.set("next", self._stack([r.parts[0] for r in replies]))
+        else:
+            root = self._stack([r.parts[0] for r in replies])
+        self._set_env_index(root, idx)
+        if command != Command.STEP_AND_MAYBE_RESET:
+            return root, None
+        next_root = self._stack([r.parts[1] for r in replies])
+        self._set_env_index(next_root, idx)
+        return root, next_root
+
+    def _stack(self, parts: list[DecodedPart]) -> TensorDictBase:
+        first = parts[0].layout
+        if self.stack == "dense" and all(p.layout is first for p in parts):
+            return stack_parts(parts)
+        return self._stack_tds([p.to_tensordict() for p in parts])
+
+    def _stack_tds(self, tds: list[Any]) -> TensorDictBase:
+        result = self._stack_func(tds)
+        if isinstance(result, LazyStackedTensorDict):
+            result = result.clone()  # do not keep the user's input tensordicts alive
+        return result
+
+    def _set_env_index(self, td: TensorDictBase, idx: list[int]) -> None:
+        indices = NonTensorStack(*idx)
+        if indices.shape != td.shape:
+            indices = expand_as_right(indices, td)
+        td.set(self._env_idx_key, indices)
+
+    # ------------------------------------------------------------ seeding, closing
+
+    def _set_seed(self, seed: int | None) -> None:
+        """Seed env ``i`` with ``seed + i`` (torchrl's pool raises NotImplementedError)."""
+        self._check_open()
+        if self._busy:
+            raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
+        for env in range(self.num_envs):
+            body = {"seed": None if seed is None else int(seed) + env}
+            self._broker.send(env, Command.SEED, [], True, inputs=None, body=body)
+        for env in range(self.num_envs):
+            self._collect((Kind.RESET, env), 1, 1, self.config.register_timeout_s)
+
+    def _check_open(self) -> None:
+        if self._resources.closed:
+            raise PoolClosedError("the pool is closed")
+
+    def shutdown(self) -> None:
+        """Stop every worker (bounded by ``config.close_timeout_s``) and remove the sockets."""
+        self._resources.release()
+        self.is_closed = True
+
+    def __repr__(self) -> str:
+        state = "closed" if self._resources.closed else "open"
+        return f"{type(self).__name__}(num_envs={self.num_envs}, stack={self.stack!r}, {state})"

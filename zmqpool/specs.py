@@ -1,0 +1,667 @@
+"""Env specs as plain data: the wire form of torchrl ``TensorSpec`` trees.
+
+This module owns one translation: a torchrl spec (in practice ``env.specs``, a
+:class:`~torchrl.data.Composite` holding ``output_spec`` and ``input_spec``)
+to and from plain data that ``msgpack.packb(..., use_bin_type=True)`` carries:
+dicts with str keys, lists, str, int, float, bool, bytes and None. Nothing is
+pickled, so a peer can send data, never code.
+
+A spec is a dict whose ``"class"`` is the torchrl class name; its other keys
+are exactly the ones listed for that class (a missing or extra key is an
+error)::
+
+    Unbounded{Continuous,Discrete}   shape, device, dtype
+    Bounded{Continuous,Discrete}     shape, device, dtype, low: T, high: T
+    Categorical        shape, device, dtype, n: int (-1: undefined), mask: T | None
+    Binary             shape, device, dtype, mask: T | None
+    OneHot             shape, device, dtype, n: int, use_register: bool, mask: T | None
+    MultiCategorical   shape, device, dtype, nvec: T, remove_singleton: bool, mask: T | None
+    MultiOneHot        shape, device, dtype, nvec: [int], use_register: bool, mask: T | None
+    NonTensor          shape, device, dtype: str | None, example_data: plain | None,
+                       batched: bool, feature_dims: int | None (None when batched)
+    Composite          shape, device, entries: {str: spec | None},
+                       names: [str | None] | None, step_mdp_static: bool
+    StackedComposite   dim: int, specs: [Composite spec, ...]  (heterogeneous stack)
+    Stacked            dim: int, specs: [leaf spec, ...]       (heterogeneous stack)
+
+``shape`` is a list of ints, ``device`` is None or ``"cpu"``, ``dtype`` a name
+from :mod:`zmqpool.wire`'s dtype whitelist (``"float32"``, ``"bfloat16"``,
+``"bool"``...). ``T`` is a tensor ``{"dtype": str, "shape": [int], "data":
+bytes}``: its elements' raw little-endian bytes in C order, so every dtype
+crosses bit-exactly. ``example_data`` travels only if it is plain data
+(None, bool, int, float, str, bytes, lists, dicts with str keys); anything
+else (a tensor, a tuple, an object) is dropped on encode.
+
+Decoding trusts nothing: every malformed input raises
+:class:`~zmqpool.errors.ProtocolError` naming the spec's path and the field.
+Shapes are capped at :data:`MAX_DIMS` dims and :data:`MAX_NUMEL` elements,
+the tensor leaves of one tree (all but NonTensor) at :data:`MAX_NUMEL`
+elements together, and spec nesting at :data:`MAX_DEPTH`. Tensors are sized
+from the bytes actually received; the one spec torchrl materialises from its
+shape alone is ``Unbounded`` (its low/high tensors), which the tree's element
+budget bounds however many leaves a message lists.
+Encoding refuses, with a ``ProtocolError``, what decoding would refuse: other
+spec classes, a ``Composite.data_cls``, a non-CPU device, negative
+(variable-size) dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torchrl.data.tensor_specs import (
+    Binary,
+    Bounded,
+    BoundedContinuous,
+    BoundedDiscrete,
+    Categorical,
+    Composite,
+    MultiCategorical,
+    MultiOneHot,
+    NonTensor,
+    OneHot,
+    Stacked,
+    StackedComposite,
+    TensorSpec,
+    Unbounded,
+    UnboundedContinuous,
+    UnboundedDiscrete,
+)
+
+from zmqpool.errors import ProtocolError
+from zmqpool.wire import dtype_from_name, dtype_name
+
+__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_NUMEL", "spec_from_data", "spec_to_data"]
+
+#: Largest number of elements of one shape, and of one tree's tensor leaves together.
+MAX_NUMEL = 2**31
+#: Largest number of dims a shape may have.
+MAX_DIMS = 32
+#: Deepest nesting of Composite / stacked specs, and of ``example_data``.
+MAX_DEPTH = 32
+
+_CPU = torch.device("cpu")
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+_LEAF_KEYS = frozenset({"shape", "device", "dtype"})
+_MSGPACK_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+def spec_to_data(spec: TensorSpec) -> dict[str, Any]:
+    """Plain data (dicts, lists, str, int, float, bool, bytes, None only) that msgpack
+    can pack with use_bin_type=True.
+
+    Raises:
+        ProtocolError: the spec holds something that cannot cross the wire (a spec
+            class not listed in this module's docstring, a ``data_cls``, a non-CPU
+            device, a negative dim, an unlisted dtype); the message names where.
+    """
+    return _encode(spec, _At())
+
+
+def spec_from_data(data: Any) -> TensorSpec:
+    """Inverse of spec_to_data.
+
+    Raises:
+        ProtocolError: ``data`` is malformed (wrong types, unknown class or dtype,
+            missing or extra keys, bytes that do not match a tensor's dtype and
+            shape, shapes or nesting over the caps, values torchrl refuses); the
+            message names the spec's path and the field.
+    """
+    return _decode(data, _At())
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """Where in the spec tree we are: names errors, bounds nesting and total size."""
+
+    path: tuple[str, ...] = ()
+    #: Elements the tree's tensor leaves may still hold, shared by the whole tree.
+    budget: list[int] = dataclasses.field(default_factory=lambda: [MAX_NUMEL])
+
+    def child(self, key: str) -> _At:
+        if len(self.path) >= MAX_DEPTH:
+            raise self.error(f"specs nest deeper than {MAX_DEPTH} levels")
+        return _At((*self.path, _clip(key, 40)), self.budget)
+
+    def charge(self, shape: Sequence[int]) -> None:
+        """Counts a (checked) tensor leaf's shape against the tree's element budget."""
+        self.budget[0] -= math.prod(shape)
+        if self.budget[0] < 0:
+            raise self.error(f"the spec's tensor leaves hold more than {MAX_NUMEL} elements")
+
+    def error(self, message: str) -> ProtocolError:
+        where = "/".join(self.path) or "<root>"
+        return ProtocolError(f"spec at {where}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Codec:
+    """How one spec class becomes data (``encode``) and back (``decode``)."""
+
+    keys: frozenset[str]
+    encode: Callable[[Any, _At], dict[str, Any]]
+    decode: Callable[[Mapping[str, Any], _At], TensorSpec]
+
+
+def _encode(spec: Any, at: _At) -> dict[str, Any]:
+    codec = _CODECS.get(type(spec))
+    if codec is None:
+        raise at.error(
+            f"cannot encode a {type(spec).__name__} spec; supported: {', '.join(_BY_NAME)}"
+        )
+    return {"class": type(spec).__name__, **codec.encode(spec, at)}
+
+
+def _decode(data: Any, at: _At) -> TensorSpec:
+    if not isinstance(data, Mapping):
+        raise at.error(f"a spec must be a dict, got {type(data).__name__}")
+    name = data.get("class")
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise at.error(f"unknown spec class {_short(name)}; known: {', '.join(_BY_NAME)}")
+    codec = _BY_NAME[name]
+    _check_keys(at, data, codec.keys | {"class"}, name)
+    return codec.decode(data, at)
+
+
+def _call(at: _At, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Runs a torchrl constructor on checked values; whatever it refuses is a ProtocolError."""
+    try:
+        return build(*args, **kwargs)
+    except Exception as err:  # torchrl validates with Value/Type/Runtime/Index errors alike
+        raise at.error(f"torchrl refused it: {type(err).__name__}: {_clip(str(err), 300)}") from err
+
+
+# ---------------------------------------------------------------- leaf specs
+
+
+def _leaf_to_data(spec: TensorSpec, at: _At) -> dict[str, Any]:
+    shape = _shape_to_data(at, spec.shape)
+    at.charge(shape)
+    return {
+        "shape": shape,
+        "device": _device_to_data(at, spec.device),
+        "dtype": _dtype_to_data(at, spec.dtype),
+    }
+
+
+def _leaf_from_data(
+    data: Mapping[str, Any], at: _At
+) -> tuple[torch.Size, torch.device | None, torch.dtype]:
+    shape = _shape_from_data(at, "shape", data["shape"])
+    at.charge(shape)
+    return (
+        shape,
+        _device_from_data(at, data["device"]),
+        _dtype_from_data(at, "dtype", data["dtype"]),
+    )
+
+
+def _unbounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    return _call(at, Unbounded, shape=shape, device=device, dtype=dtype, domain=domain)
+
+
+def _bounded_to_data(spec: Bounded, at: _At) -> dict[str, Any]:
+    low, high = spec.space.low, spec.space.high
+    return {
+        **_leaf_to_data(spec, at),
+        "low": _tensor_to_data(at, low),
+        "high": _tensor_to_data(at, high),
+    }
+
+
+def _bounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    low = _tensor_field(at, data, "low", dtype, shape)
+    high = _tensor_field(at, data, "high", dtype, shape)
+    return _call(at, Bounded, low, high, shape=shape, device=device, dtype=dtype, domain=domain)
+
+
+def _categorical_to_data(spec: Categorical, at: _At) -> dict[str, Any]:
+    return {**_leaf_to_data(spec, at), "n": int(spec.space.n), "mask": _mask_to_data(spec, at)}
+
+
+def _categorical_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    n = _int_field(at, data, "n", -1, MAX_NUMEL)
+    spec = _call(at, Categorical, n, shape=shape, device=device, dtype=dtype)
+    return _with_mask(spec, data, at)
+
+
+def _binary_to_data(spec: Binary, at: _At) -> dict[str, Any]:
+    return {**_leaf_to_data(spec, at), "mask": _mask_to_data(spec, at)}
+
+
+def _binary_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    spec = _call(at, Binary, shape=shape, device=device, dtype=dtype)
+    return _with_mask(spec, data, at)
+
+
+def _one_hot_to_data(spec: OneHot, at: _At) -> dict[str, Any]:
+    return {
+        **_leaf_to_data(spec, at),
+        "n": int(spec.space.n),
+        "use_register": bool(spec.use_register),
+        "mask": _mask_to_data(spec, at),
+    }
+
+
+def _one_hot_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    n = _int_field(at, data, "n", 0, MAX_NUMEL)
+    register = _bool_field(at, data, "use_register")
+    spec = _call(at, OneHot, n, shape, device, dtype, use_register=register)
+    return _with_mask(spec, data, at)
+
+
+def _multi_categorical_to_data(spec: MultiCategorical, at: _At) -> dict[str, Any]:
+    return {
+        **_leaf_to_data(spec, at),
+        "nvec": _tensor_to_data(at, spec.nvec),
+        "remove_singleton": bool(spec.remove_singleton),
+        "mask": _mask_to_data(spec, at),
+    }
+
+
+def _multi_categorical_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    # nvec arrives at the spec's full shape: torchrl builds one Python box per
+    # element, so it must cost the sender as many bytes as it costs us objects.
+    nvec = _tensor_field(at, data, "nvec", None, shape)
+    if nvec.dtype.is_floating_point or nvec.dtype.is_complex or nvec.dtype == torch.bool:
+        raise at.error(f"nvec must have an integer dtype, got {dtype_name(nvec.dtype)}")
+    if nvec.numel() and bool((nvec < 0).any()):
+        raise at.error("nvec has a negative cardinality")
+    singleton = _bool_field(at, data, "remove_singleton")
+    spec = _call(at, MultiCategorical, nvec, shape, device, dtype, remove_singleton=singleton)
+    return _with_mask(spec, data, at)
+
+
+def _multi_one_hot_to_data(spec: MultiOneHot, at: _At) -> dict[str, Any]:
+    return {
+        **_leaf_to_data(spec, at),
+        "nvec": [int(n) for n in spec.nvec],
+        "use_register": bool(spec.use_register),
+        "mask": _mask_to_data(spec, at),
+    }
+
+
+def _multi_one_hot_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape, device, dtype = _leaf_from_data(data, at)
+    nvec = data["nvec"]
+    if not isinstance(nvec, list) or not all(_is_int(n, 0, MAX_NUMEL) for n in nvec):
+        raise at.error(f"nvec must be a list of ints in [0, {MAX_NUMEL}], got {_short(nvec)}")
+    register = _bool_field(at, data, "use_register")
+    spec = _call(at, MultiOneHot, nvec, shape, device, dtype, use_register=register)
+    return _with_mask(spec, data, at)
+
+
+def _mask_to_data(spec: Any, at: _At) -> dict[str, Any] | None:
+    mask = getattr(spec, "mask", None)
+    return None if mask is None else _tensor_to_data(at, mask)
+
+
+def _with_mask(spec: Any, data: Mapping[str, Any], at: _At) -> TensorSpec:
+    if data["mask"] is not None:
+        mask = _tensor_field(at, data, "mask", torch.bool, None)
+        _call(at, spec.update_mask, mask)
+    return spec
+
+
+def _non_tensor_to_data(spec: NonTensor, at: _At) -> dict[str, Any]:
+    batched = bool(getattr(spec, "batched", False))
+    example = spec.example_data
+    return {
+        "shape": _shape_to_data(at, spec.shape),
+        "device": _device_to_data(at, spec.device),
+        "dtype": None if spec.dtype is None else _dtype_to_data(at, spec.dtype),
+        "example_data": example if _is_plain(example, 0) else None,
+        "batched": batched,
+        "feature_dims": None if batched else int(getattr(spec, "feature_dims", spec.ndim)),
+    }
+
+
+def _non_tensor_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape = _shape_from_data(at, "shape", data["shape"])
+    device = _device_from_data(at, data["device"])
+    dtype = None if data["dtype"] is None else _dtype_from_data(at, "dtype", data["dtype"])
+    example = data["example_data"]
+    if not _is_plain(example, 0):
+        raise at.error(f"example_data is not plain data: {_short(example)}")
+    kwargs = _non_tensor_batching(data, at)
+    return _call(at, NonTensor, shape, device, dtype, example_data=example, **kwargs)
+
+
+def _non_tensor_batching(data: Mapping[str, Any], at: _At) -> dict[str, Any]:
+    if _bool_field(at, data, "batched"):
+        if data["feature_dims"] is not None:
+            raise at.error("feature_dims must be None when batched is true")
+        return {"batched": True}
+    return {"feature_dims": _int_field(at, data, "feature_dims", 0, MAX_DIMS)}
+
+
+# ---------------------------------------------------------------- containers
+
+
+def _composite_to_data(spec: Composite, at: _At) -> dict[str, Any]:
+    if getattr(spec, "data_cls", None) is not None:
+        raise at.error(
+            f"Composite.data_cls={getattr(spec.data_cls, '__name__', spec.data_cls)} "
+            "cannot cross the wire; only data_cls=None is supported"
+        )
+    names = list(spec.names)
+    entries = {
+        key: None if sub is None else _encode(sub, at.child(key)) for key, sub in spec.items()
+    }
+    return {
+        "shape": _shape_to_data(at, spec.shape),
+        "device": _device_to_data(at, spec.device),
+        "entries": entries,
+        "names": names if any(name is not None for name in names) else None,
+        "step_mdp_static": bool(spec.step_mdp_static),
+    }
+
+
+def _composite_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
+    shape = _shape_from_data(at, "shape", data["shape"])
+    device = _device_from_data(at, data["device"])
+    names = _names_from_data(at, data["names"], len(shape))
+    static = _bool_field(at, data, "step_mdp_static")
+    entries = data["entries"]
+    if not isinstance(entries, Mapping) or not all(isinstance(k, str) for k in entries):
+        raise at.error("entries must be a dict with str keys")
+    children = {key: _entry_from_data(value, at.child(key)) for key, value in entries.items()}
+    return _call(at, _build_composite, children, shape, device, names, static)
+
+
+def _entry_from_data(value: Any, at: _At) -> TensorSpec | None:
+    return None if value is None else _decode(value, at)
+
+
+def _build_composite(
+    children: dict[str, TensorSpec | None],
+    shape: torch.Size,
+    device: torch.device | None,
+    names: list[str | None] | None,
+    static: bool,
+) -> Composite:
+    # Names first, children after: Composite(names=...) would otherwise
+    # overwrite the nested specs' own names with its own.
+    spec = Composite(shape=shape, device=device, names=names, step_mdp_static=static)
+    for key, child in children.items():
+        spec[key] = child
+    return spec
+
+
+def _names_from_data(at: _At, names: Any, ndim: int) -> list[str | None] | None:
+    if names is None:
+        return None
+    if (
+        not isinstance(names, list)
+        or len(names) != ndim
+        or not all(name is None or isinstance(name, str) for name in names)
+    ):
+        raise at.error(f"names must be None or {ndim} str-or-None items, got {_short(names)}")
+    return list(names)
+
+
+def _stack_to_data(spec: Stacked | StackedComposite, at: _At) -> dict[str, Any]:
+    parts = spec.unbind(spec.dim)
+    return {
+        "dim": int(spec.dim),
+        "specs": [_encode(part, at.child(f"[{i}]")) for i, part in enumerate(parts)],
+    }
+
+
+def _stack_from_data(
+    cls: type[Stacked | StackedComposite], data: Mapping[str, Any], at: _At
+) -> TensorSpec:
+    dim = _int_field(at, data, "dim", 0, MAX_DIMS - 1)
+    items = data["specs"]
+    if not isinstance(items, list) or not items:
+        raise at.error("specs must be a non-empty list")
+    parts = [_decode(item, at.child(f"[{i}]")) for i, item in enumerate(items)]
+    _check_stackable(at, cls, parts, dim)
+    return _call(at, cls, *parts, dim=dim)
+
+
+def _check_stackable(at: _At, cls: type, parts: list[TensorSpec], dim: int) -> None:
+    first = parts[0]
+    composite = cls is StackedComposite
+    if any(isinstance(part, Composite) != composite for part in parts):
+        kind = "Composite" if composite else "non-Composite"
+        raise at.error(f"a {cls.__name__} stacks {kind} specs only")
+    if not composite and any(type(part) is not type(first) for part in parts):
+        raise at.error("a Stacked spec stacks specs of one class")
+    if any(part.ndim != first.ndim for part in parts) or dim > first.ndim:
+        raise at.error(f"cannot stack these shapes along dim {dim}")
+    if composite and any(part.shape != first.shape for part in parts):
+        raise at.error("a StackedComposite stacks Composites of one shape")
+    if first.ndim + 1 > MAX_DIMS or len(parts) * math.prod(first.shape) > MAX_NUMEL:
+        raise at.error(f"stacked shape exceeds {MAX_DIMS} dims or {MAX_NUMEL} elements")
+
+
+# ---------------------------------------------------------------- fields
+
+
+def _check_keys(at: _At, data: Mapping[Any, Any], keys: frozenset[str], what: str) -> None:
+    present = set(data)
+    missing, extra = keys - present, present - keys
+    if missing or extra:
+        raise at.error(
+            f"{what}: missing keys {sorted(missing)[:8]}, "
+            f"unexpected keys [{', '.join(sorted(_short(key, 40) for key in extra)[:8])}]"
+        )
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _int_field(at: _At, data: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = data[key]
+    if not _is_int(value, low, high):
+        raise at.error(f"{key} must be an int in [{low}, {high}], got {_short(value)}")
+    return int(value)
+
+
+def _bool_field(at: _At, data: Mapping[str, Any], key: str) -> bool:
+    value = data[key]
+    if type(value) is not bool:
+        raise at.error(f"{key} must be a bool, got {_short(value)}")
+    return value
+
+
+def _shape_to_data(at: _At, shape: torch.Size) -> list[int]:
+    return list(_shape_from_data(at, "shape", [int(size) for size in shape]))
+
+
+def _shape_from_data(at: _At, what: str, value: Any) -> torch.Size:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_DIMS:
+        raise at.error(f"{what} must be a list of at most {MAX_DIMS} ints, got {_short(value)}")
+    if not all(_is_int(size, 0, MAX_NUMEL) for size in value):
+        raise at.error(f"{what} dims must be ints in [0, {MAX_NUMEL}], got {_short(value)}")
+    if math.prod(value) > MAX_NUMEL:  # in Python: torch.Size.numel() can overflow
+        raise at.error(f"{what} {list(value)} has more than {MAX_NUMEL} elements")
+    return torch.Size(value)
+
+
+def _device_to_data(at: _At, device: Any) -> str | None:
+    if device is None:
+        return None
+    if torch.device(device).type != "cpu":
+        raise at.error(f"device {device} cannot cross the wire (only None and cpu); use .cpu()")
+    return "cpu"
+
+
+def _device_from_data(at: _At, value: Any) -> torch.device | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value != "cpu":
+        raise at.error(f"device must be None or 'cpu', got {_short(value)}")
+    return _CPU
+
+
+def _dtype_to_data(at: _At, dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ProtocolError as err:
+        raise at.error(str(err)) from None
+
+
+def _dtype_from_data(at: _At, what: str, value: Any) -> torch.dtype:
+    try:
+        return dtype_from_name(value)
+    except ProtocolError:
+        raise at.error(f"{what}: unknown dtype {_short(value)}") from None
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def _tensor_to_data(at: _At, tensor: torch.Tensor) -> dict[str, Any]:
+    # A fresh buffer: .contiguous() may keep a stride-0 view (an expanded
+    # size-1 dim), which cannot be viewed as bytes.
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.detach().reshape(-1))
+    raw = _little_endian(flat.view(torch.uint8), flat.dtype.itemsize)
+    return {
+        "dtype": _dtype_to_data(at, flat.dtype),
+        "shape": _shape_to_data(at, tensor.shape),
+        "data": raw.numpy().tobytes(),
+    }
+
+
+def _tensor_field(
+    at: _At,
+    data: Mapping[str, Any],
+    key: str,
+    dtype: torch.dtype | None,
+    shape: torch.Size | None,
+) -> torch.Tensor:
+    tensor = _tensor_from_data(at, key, data[key])
+    if dtype is not None and tensor.dtype != dtype:
+        raise at.error(f"{key} has dtype {dtype_name(tensor.dtype)}, expected {dtype_name(dtype)}")
+    if shape is not None and tensor.shape != shape:
+        raise at.error(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
+def _tensor_from_data(at: _At, what: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, Mapping):
+        raise at.error(f"{what} must be a tensor dict, got {type(value).__name__}")
+    _check_keys(at, value, _TENSOR_KEYS, what)
+    dtype = _dtype_from_data(at, f"{what}.dtype", value["dtype"])
+    shape = _shape_from_data(at, f"{what}.shape", value["shape"])
+    raw = value["data"]
+    expected = shape.numel() * dtype.itemsize
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != expected:
+        got = len(raw) if isinstance(raw, (bytes, bytearray)) else type(raw).__name__
+        raise at.error(
+            f"{what}.data must be {expected} bytes for {dtype_name(dtype)}{list(shape)}, got {got}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = _little_endian(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dtype.itemsize)
+    if dtype == torch.bool and bool((flat > 1).any()):
+        raise at.error(f"{what}.data holds bool bytes other than 0 and 1")
+    return flat.view(dtype).reshape(shape)
+
+
+def _little_endian(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Native-order bytes to little-endian or back (the same swap both ways)."""
+    if sys.byteorder == "little" or itemsize == 1:
+        return raw
+    return raw.reshape(-1, itemsize).flip(-1).reshape(-1)
+
+
+# ---------------------------------------------------------------- plain data
+
+
+def _is_plain(value: Any, depth: int) -> bool:
+    """Whether ``value`` survives a msgpack round trip unchanged (exact types only)."""
+    if depth > MAX_DEPTH:
+        return False
+    kind = type(value)
+    if value is None or kind in (bool, float, str, bytes):
+        return True
+    if kind is int:
+        return _MSGPACK_INT_RANGE[0] <= value <= _MSGPACK_INT_RANGE[1]
+    if kind is list:
+        return all(_is_plain(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    return _clip(repr(value), limit)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _codec(
+    keys: set[str],
+    encode: Callable[[Any, _At], dict[str, Any]],
+    decode: Callable[[Mapping[str, Any], _At], TensorSpec],
+) -> _Codec:
+    return _Codec(frozenset(keys), encode, decode)
+
+
+_P = functools.partial
+_CODECS: dict[type, _Codec] = {
+    UnboundedContinuous: _codec(
+        set(_LEAF_KEYS), _leaf_to_data, _P(_unbounded_from_data, "continuous")
+    ),
+    UnboundedDiscrete: _codec(set(_LEAF_KEYS), _leaf_to_data, _P(_unbounded_from_data, "discrete")),
+    BoundedContinuous: _codec(
+        {*_LEAF_KEYS, "low", "high"}, _bounded_to_data, _P(_bounded_from_data, "continuous")
+    ),
+    BoundedDiscrete: _codec(
+        {*_LEAF_KEYS, "low", "high"}, _bounded_to_data, _P(_bounded_from_data, "discrete")
+    ),
+    Categorical: _codec({*_LEAF_KEYS, "n", "mask"}, _categorical_to_data, _categorical_from_data),
+    Binary: _codec({*_LEAF_KEYS, "mask"}, _binary_to_data, _binary_from_data),
+    OneHot: _codec(
+        {*_LEAF_KEYS, "n", "use_register", "mask"}, _one_hot_to_data, _one_hot_from_data
+    ),
+    MultiCategorical: _codec(
+        {*_LEAF_KEYS, "nvec", "remove_singleton", "mask"},
+        _multi_categorical_to_data,
+        _multi_categorical_from_data,
+    ),
+    MultiOneHot: _codec(
+        {*_LEAF_KEYS, "nvec", "use_register", "mask"},
+        _multi_one_hot_to_data,
+        _multi_one_hot_from_data,
+    ),
+    NonTensor: _codec(
+        {"shape", "device", "dtype", "example_data", "batched", "feature_dims"},
+        _non_tensor_to_data,
+        _non_tensor_from_data,
+    ),
+    Composite: _codec(
+        {"shape", "device", "entries", "names", "step_mdp_static"},
+        _composite_to_data,
+        _composite_from_data,
+    ),
+    StackedComposite: _codec(
+        {"dim", "specs"}, _stack_to_data, _P(_stack_from_data, StackedComposite)
+    ),
+    Stacked: _codec({"dim", "specs"}, _stack_to_data, _P(_stack_from_data, Stacked)),
+}
+_BY_NAME: dict[str, _Codec] = {cls.__name__: codec for cls, codec in _CODECS.items()}

@@ -1,0 +1,157 @@
+"""The pool's bookkeeping, apart from sockets: who hosts which env, what is in flight, what is done.
+
+- :class:`EnvSlot`: one env index: its worker, its sequence counter and its
+  requests in flight, oldest first (a worker answers one env's commands in
+  order).
+- :class:`Reply`: a request answered (or failed), waiting in a channel until
+  a recv takes it. A channel is ``(kind, None)`` for batch requests and
+  ``(kind, env)`` for an env's own channel, as in torchrl's pool.
+- :class:`Ledger`: all of it, with the rules: a reply is accepted only from
+  the worker registered for that env, with the token it was given, for the
+  oldest request in flight; anything else is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from zmqpool.wire import Command, DecodedPart
+
+
+class Kind(enum.Enum):
+    """Which recv collects a request's reply."""
+
+    STEP = "step"
+    RESET = "reset"
+    STEP_RESET = "step_and_maybe_reset"
+
+
+KIND_OF: dict[Command, Kind] = {
+    Command.STEP: Kind.STEP,
+    Command.STEP_RAW: Kind.STEP,
+    Command.RESET: Kind.RESET,
+    Command.RESET_RAW: Kind.RESET,
+    Command.STEP_AND_MAYBE_RESET: Kind.STEP_RESET,
+    Command.SEED: Kind.RESET,
+}
+
+Channel = tuple[Kind, int | None]
+
+
+@dataclasses.dataclass
+class Pending:
+    """A request in flight."""
+
+    seq: int
+    command: Command
+    channel: Channel
+    inputs: TensorDictBase | None
+    sent_at: float
+
+
+@dataclasses.dataclass
+class Reply:
+    """An answered request: its parts, or the error to raise for it."""
+
+    env: int
+    pending: Pending
+    parts: list[DecodedPart] = dataclasses.field(default_factory=list)
+    error: Exception | None = None
+    synthesized: bool = False
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    """A registered worker connection."""
+
+    identity: bytes
+    token: bytes
+    envs: tuple[int, ...]
+    pid: int
+    decoder: Any
+    encoder: Any
+    last_seen: float
+
+
+@dataclasses.dataclass
+class EnvSlot:
+    index: int
+    worker: WorkerRecord | None = None
+    next_seq: int = 1
+    in_flight: deque[Pending] = dataclasses.field(default_factory=deque)
+    steps: int = 0
+    restarts: int = 0
+    last_restart_cause: str | None = None
+
+
+class Ledger:
+    """Slots, requests in flight and ready replies; see the module docstring."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.slots = [EnvSlot(i) for i in range(num_envs)]
+        self.ready: dict[Channel, list[Reply]] = {}
+        self.dropped: dict[str, int] = {}
+
+    def open_request(
+        self, env: int, command: Command, per_env: bool, inputs: TensorDictBase | None, now: float
+    ) -> Pending:
+        slot = self.slots[env]
+        channel: Channel = (KIND_OF[command], env if per_env else None)
+        pending = Pending(slot.next_seq, command, channel, inputs, now)
+        slot.next_seq += 1
+        slot.in_flight.append(pending)
+        return pending
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def match(self, env: int, seq: int, token: bytes) -> Pending | None:
+        """The request a reply answers, if the reply is legitimate; counts what it drops."""
+        if not 0 <= env < len(self.slots):
+            self.drop("env index out of range")
+            return None
+        slot = self.slots[env]
+        if slot.worker is None or token != slot.worker.token:
+            self.drop("wrong token for env")
+            return None
+        if not slot.in_flight or slot.in_flight[0].seq != seq:
+            self.drop("stale or unexpected sequence number")
+            return None
+        return slot.in_flight.popleft()
+
+    def deliver(self, reply: Reply) -> None:
+        stepped = reply.pending.command in (
+            Command.STEP,
+            Command.STEP_AND_MAYBE_RESET,
+            Command.STEP_RAW,
+        )
+        if stepped and reply.error is None:
+            self.slots[reply.env].steps += 1
+        self.ready.setdefault(reply.pending.channel, []).append(reply)
+
+    def take(self, channel: Channel, max_get: int | None) -> list[Reply]:
+        """Up to ``max_get`` ready replies of a channel, oldest first."""
+        ready = self.ready.get(channel, [])
+        count = len(ready) if max_get is None else min(max_get, len(ready))
+        taken, self.ready[channel] = ready[:count], ready[count:]
+        return taken
+
+    def count_ready(self, channel: Channel) -> int:
+        return len(self.ready.get(channel, ()))
+
+    def first_error(self, channel: Channel) -> Reply | None:
+        for reply in self.ready.get(channel, ()):
+            if reply.error is not None:
+                return reply
+        return None
+
+    def remove(self, channel: Channel, reply: Reply) -> None:
+        self.ready[channel].remove(reply)
+
+    def in_flight(self, channel: Channel) -> int:
+        return sum(1 for slot in self.slots for p in slot.in_flight if p.channel == channel)

@@ -1,0 +1,597 @@
+"""The wire: how commands, results and tensordicts become ZeroMQ frames.
+
+This module is the contract between the trainer and its workers. It knows
+nothing of sockets; both sides import it. Nothing here ever unpickles.
+
+A message is a list of frames::
+
+    frame 0      header: msgpack array
+                 [version, command, env, seq, token, layouts, body]
+    frame 1..    the tensor frames of each tensordict part, part after part
+
+- ``version`` (int): :data:`PROTOCOL_VERSION`; a peer with another version is
+  refused with :class:`~zmqpool.errors.VersionMismatchError`.
+- ``command`` (int): a :class:`Command`.
+- ``env`` (int): the pool's env index the message is about (-1: the worker).
+- ``seq`` (int): the per-env sequence number of the request this message is
+  or answers; a reply whose seq is not the one awaited is dropped.
+- ``token`` (bytes): the session token the pool gave the worker at
+  registration; results must carry it (empty on commands).
+- ``layouts`` (list of int): one layout id per tensordict part carried.
+- ``body`` (map or nil): the rare fields: ``"L"`` new layouts ``{id: layout}``,
+  ``"nt"`` non-tensor values per part, ``"err"``/``"tb"`` an error and its
+  traceback, ``"reg"`` registration data, ``"seed"``.
+
+A tensordict part is described by a :class:`Layout`, sent in full once (in
+``body["L"]``, the first time its id is used on a connection) and referred to
+by id afterwards, so per-step headers stay a few dozen bytes. A layout lists
+its leaves ``[key path, dtype, shape, own_frame]`` and its batch size. Leaves
+smaller than :data:`ZERO_COPY_THRESHOLD` bytes are packed, 16-byte aligned, in
+one frame (copying a few bytes is cheaper than a zero-copy frame's
+bookkeeping); larger ones travel as their own frame, sent with ``copy=False``
+and read with :func:`torch.frombuffer`, without a copy. The receiver
+recomputes offsets itself and checks every frame's size against the layout
+before touching it, so a frame claiming 10 GB allocates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from zmqpool.errors import ProtocolError, VersionMismatchError
+
+PROTOCOL_VERSION = 1
+
+#: Leaves of at least this many bytes travel as their own zero-copy frame.
+#: Measured with scripts/bench.py's codec probe: below ~32 KiB a memcpy into
+#: the packed frame is cheaper than a separate zero-copy frame.
+ZERO_COPY_THRESHOLD = 32 * 1024
+
+#: Upper bounds that keep a hostile header from making us allocate or loop.
+MAX_HEADER_BYTES = 1 << 20
+MAX_LEAVES = 4096
+MAX_KEY_DEPTH = 16
+MAX_DIMS = 16
+MAX_LEAF_BYTES = 1 << 34
+MAX_PARTS = 4
+MAX_LAYOUT_ID = 1 << 31
+
+_ALIGN = 16
+
+
+class Command(enum.IntEnum):
+    """What a message asks for or answers."""
+
+    # pool -> worker, on the broker's ROUTER
+    STEP = 1  # env.step(td), reply: the "next" subtree
+    RESET = 2  # env.reset(td), reply: the reset tensordict
+    STEP_AND_MAYBE_RESET = 3  # reply: "next" subtree, then the next root
+    STEP_RAW = 4  # env._step(td) (torchrl's private path), reply: its output
+    RESET_RAW = 5  # env._reset(td), reply: its output
+    SEED = 6  # env.set_seed(body["seed"]), reply: empty result
+    CLOSE = 7  # shut down
+    WELCOME = 8  # registration accepted: body["reg"] has token and env indices
+    REFUSE = 9  # registration refused: body["err"]
+    PING = 10  # the pool's heartbeat
+    # worker -> pool, on the broker's ROUTER
+    REGISTER = 20  # body["reg"]: env indices, specs, pid
+    FAILED = 21  # building an env failed: body["err"], body["tb"]
+    HEARTBEAT = 22
+    # worker -> pool, on the results PULL
+    RESULT = 30
+    ERROR = 31  # the env raised: body["err"], body["tb"]
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    """The torch dtype called ``name``; only the whitelisted ones exist."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot cross the wire") from None
+
+
+# ---------------------------------------------------------------- headers
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    """Frame 0 of every message."""
+
+    command: Command
+    env: int = -1
+    seq: int = 0
+    token: bytes = b""
+    layouts: tuple[int, ...] = ()
+    body: dict[str, Any] | None = None
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            [
+                self.version,
+                int(self.command),
+                self.env,
+                self.seq,
+                self.token,
+                list(self.layouts),
+                self.body,
+            ],
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Header:
+        """Parse and validate frame 0; raise :class:`ProtocolError` if it is not one."""
+        if len(data) > MAX_HEADER_BYTES:
+            raise ProtocolError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            fields = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=False,
+            )
+        except Exception as err:  # msgpack raises many types; all mean "not a header"
+            raise ProtocolError(f"header is not msgpack: {err}") from None
+        return cls._from_fields(fields)
+
+    @classmethod
+    def _from_fields(cls, fields: Any) -> Header:
+        if not isinstance(fields, list) or len(fields) != 7:
+            raise ProtocolError("header must be a msgpack array of 7 fields")
+        version, command, env, seq, token, layouts, body = fields
+        if not _is_int(version) or version != PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"protocol version {version!r} received, this side speaks {PROTOCOL_VERSION}"
+            )
+        if not _is_int(command) or command not in Command._value2member_map_:
+            raise ProtocolError(f"unknown command {command!r}")
+        if not _is_int(env) or not _is_int(seq) or seq < 0:
+            raise ProtocolError("header env and seq must be integers (seq >= 0)")
+        if not isinstance(token, bytes) or len(token) > 64:
+            raise ProtocolError("header token must be at most 64 bytes")
+        if not isinstance(layouts, list) or len(layouts) > MAX_PARTS:
+            raise ProtocolError(f"header layouts must be a list of at most {MAX_PARTS} ids")
+        if not all(_is_int(i) and 0 <= i < MAX_LAYOUT_ID for i in layouts):
+            raise ProtocolError("layout ids must be non-negative integers")
+        if body is not None and not isinstance(body, dict):
+            raise ProtocolError("header body must be a map or nil")
+        return cls(Command(command), env, seq, token, tuple(layouts), body)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+    """One tensor of a part: where its bytes are and what they mean."""
+
+    key: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    own_frame: bool
+    frame: int  # index among the part's frames
+    offset: int  # byte offset inside that frame
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """How one tensordict is laid out in frames; see the module docstring."""
+
+    batch_size: tuple[int, ...]
+    leaves: tuple[Leaf, ...]
+    nontensor_keys: tuple[tuple[str, ...], ...]
+    packed_nbytes: int
+    frame_sizes: tuple[int, ...]
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frame_sizes)
+
+    def signature(self) -> tuple:
+        return (
+            self.batch_size,
+            tuple((leaf.key, leaf.dtype, leaf.shape) for leaf in self.leaves),
+            self.nontensor_keys,
+        )
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "b": list(self.batch_size),
+            "t": [
+                [list(leaf.key), dtype_name(leaf.dtype), list(leaf.shape), leaf.own_frame]
+                for leaf in self.leaves
+            ],
+            "n": [list(key) for key in self.nontensor_keys],
+        }
+
+    @classmethod
+    def from_data(cls, data: Any) -> Layout:
+        """Rebuild and validate a layout received from a peer."""
+        if not isinstance(data, dict) or set(data) != {"b", "t", "n"}:
+            raise ProtocolError("a layout is a map with keys b, t, n")
+        batch_size = _shape(data["b"], "layout batch size")
+        if not isinstance(data["t"], list) or len(data["t"]) > MAX_LEAVES:
+            raise ProtocolError(f"a layout has a list of at most {MAX_LEAVES} leaves")
+        if not isinstance(data["n"], list) or len(data["n"]) > MAX_LEAVES:
+            raise ProtocolError("a layout's non-tensor keys must be a short list")
+        specs = [_leaf_spec(item) for item in data["t"]]
+        nontensor = tuple(_key(item) for item in data["n"])
+        return build_layout(batch_size, specs, nontensor)
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS:
+        raise ProtocolError(f"{what} must be a list of at most {MAX_DIMS} sizes")
+    if not all(_is_int(v) and 0 <= v < (1 << 40) for v in value):
+        raise ProtocolError(f"{what} must hold non-negative integers")
+    return tuple(value)
+
+
+def _key(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_KEY_DEPTH:
+        raise ProtocolError(f"a key path is a list of 1 to {MAX_KEY_DEPTH} strings")
+    if not all(isinstance(part, str) and 0 < len(part) <= 256 for part in value):
+        raise ProtocolError("key path parts must be non-empty strings")
+    return tuple(value)
+
+
+def _leaf_spec(item: Any) -> tuple[tuple[str, ...], torch.dtype, tuple[int, ...], bool]:
+    if not isinstance(item, list) or len(item) != 4 or not isinstance(item[3], bool):
+        raise ProtocolError("a layout leaf is [key, dtype, shape, own_frame]")
+    return _key(item[0]), dtype_from_name(item[1]), _shape(item[2], "leaf shape"), item[3]
+
+
+def build_layout(
+    batch_size: Sequence[int],
+    leaf_specs: Iterable[tuple[tuple[str, ...], torch.dtype, tuple[int, ...], bool]],
+    nontensor_keys: tuple[tuple[str, ...], ...] = (),
+) -> Layout:
+    """Assign frames and offsets: packed leaves first (frame 0 if any), then one frame each."""
+    specs = list(leaf_specs)
+    packed_nbytes = 0
+    placed: list[tuple[Any, int]] = []
+    for key, dtype, shape, own in specs:
+        nbytes = _nbytes(dtype, shape)
+        if not own:
+            packed_nbytes = -(-packed_nbytes // _ALIGN) * _ALIGN
+            placed.append(((key, dtype, shape, own, nbytes), packed_nbytes))
+            packed_nbytes += nbytes
+        else:
+            placed.append(((key, dtype, shape, own, nbytes), -1))
+    has_packed = any(not own for _, _, _, own in specs)
+    frame_sizes = [packed_nbytes] if has_packed else []
+    leaves = []
+    for (key, dtype, shape, own, nbytes), offset in placed:
+        if own:
+            frame_sizes.append(nbytes)
+            leaves.append(Leaf(key, dtype, shape, True, len(frame_sizes) - 1, 0, nbytes))
+        else:
+            leaves.append(Leaf(key, dtype, shape, False, 0, offset, nbytes))
+    return Layout(
+        tuple(batch_size), tuple(leaves), nontensor_keys, packed_nbytes, tuple(frame_sizes)
+    )
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes > MAX_LEAF_BYTES:
+        raise ProtocolError(f"a leaf of {nbytes} bytes exceeds the {MAX_LEAF_BYTES} byte limit")
+    return nbytes
+
+
+# ---------------------------------------------------------------- encoding
+
+
+@dataclasses.dataclass(slots=True)
+class EncodedPart:
+    """A tensordict ready to send: its layout id, frames and non-tensor values."""
+
+    layout_id: int
+    new_layout: dict[str, Any] | None
+    frames: list[Any]
+    nontensor: list[Any] | None
+
+
+class Encoder:
+    """Turns tensordicts into frames; remembers the layouts it announced.
+
+    One encoder per connection: a layout is announced in full the first time
+    it is used and referred to by id afterwards. ``forget()`` after the peer
+    was replaced (a re-registration), so layouts are announced again.
+    """
+
+    def __init__(self, zero_copy_threshold: int = ZERO_COPY_THRESHOLD) -> None:
+        self.zero_copy_threshold = zero_copy_threshold
+        self._ids: dict[tuple, tuple[int, Layout]] = {}
+        self._announced: set[int] = set()
+
+    def forget(self) -> None:
+        self._announced.clear()
+
+    def encode(self, td: TensorDictBase) -> EncodedPart:
+        tensors, nontensor_keys, nontensor_values = _flatten(td)
+        signature = (
+            tuple(td.batch_size),
+            tuple((key, t.dtype, tuple(t.shape)) for key, t in tensors),
+            nontensor_keys,
+        )
+        layout_id, layout = self._layout_for(signature, tensors, nontensor_keys, td.batch_size)
+        new = None
+        if layout_id not in self._announced:
+            self._announced.add(layout_id)
+            new = layout.to_data()
+        frames = _pack(layout, [t for _, t in tensors])
+        return EncodedPart(layout_id, new, frames, nontensor_values or None)
+
+    def _layout_for(self, signature, tensors, nontensor_keys, batch_size) -> tuple[int, Layout]:
+        known = self._ids.get(signature)
+        if known is not None:
+            return known
+        specs = [
+            (key, t.dtype, tuple(t.shape), t.numel() * t.element_size() >= self.zero_copy_threshold)
+            for key, t in tensors
+        ]
+        layout = build_layout(tuple(batch_size), specs, nontensor_keys)
+        known = (len(self._ids), layout)
+        self._ids[signature] = known
+        return known
+
+
+def _flatten(td: TensorDictBase) -> tuple[list, tuple, list]:
+    tensors: list[tuple[tuple[str, ...], torch.Tensor]] = []
+    nontensor_keys: list[tuple[str, ...]] = []
+    nontensor_values: list[Any] = []
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
+        path = (key,) if isinstance(key, str) else tuple(key)
+        if isinstance(value, torch.Tensor):
+            tensors.append((path, value))
+        else:
+            nontensor_keys.append(path)
+            nontensor_values.append(_plain(value, path))
+    return tensors, tuple(nontensor_keys), nontensor_values
+
+
+def _is_leaf(cls: type) -> bool:
+    return issubclass(cls, torch.Tensor) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
+def _plain(value: Any, path: tuple[str, ...]) -> Any:
+    data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
+    try:
+        msgpack.packb(data, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        raise ProtocolError(
+            f"non-tensor value at {'/'.join(path)} of type {type(data).__name__} "
+            "is not plain data (msgpack-able); it cannot cross the wire"
+        ) from None
+    return data
+
+
+def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:
+    frames: list[Any] = []
+    packed = (
+        bytearray(layout.packed_nbytes) if layout.frame_sizes and not _all_own(layout) else None
+    )
+    if packed is not None:
+        frames.append(packed)
+        view = torch.frombuffer(packed, dtype=torch.uint8) if layout.packed_nbytes else None
+    for leaf, tensor in zip(layout.leaves, tensors, strict=True):
+        raw = _as_bytes_view(tensor)
+        if leaf.own_frame:
+            frames.append(raw.numpy())
+        elif leaf.nbytes and view is not None:
+            view[leaf.offset : leaf.offset + leaf.nbytes].copy_(raw)
+    return frames
+
+
+def _all_own(layout: Layout) -> bool:
+    return all(leaf.own_frame for leaf in layout.leaves)
+
+
+def _as_bytes_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view when already contiguous)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
+    """Header frame + every part's frames, with layouts announced and non-tensors attached."""
+    body = dict(header.body or {})
+    new_layouts = {p.layout_id: p.new_layout for p in parts if p.new_layout is not None}
+    if new_layouts:
+        body["L"] = new_layouts
+    if any(p.nontensor for p in parts):
+        body["nt"] = [p.nontensor or [] for p in parts]
+    header = dataclasses.replace(
+        header, layouts=tuple(p.layout_id for p in parts), body=body or None
+    )
+    frames: list[Any] = [header.encode()]
+    for part in parts:
+        frames.extend(part.frames)
+    return frames
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(slots=True)
+class DecodedPart:
+    """A received tensordict, still flat: cheap to stack with others of its layout."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+    nontensor: list[Any]
+
+    def to_tensordict(self) -> TensorDict:
+        return tensordict_from_leaves(self.layout, self.tensors, self.nontensor)
+
+
+class Decoder:
+    """Turns frames back into tensors, checking them against the known layouts.
+
+    One decoder per connection; its layouts are those the peer announced.
+    """
+
+    def __init__(self, max_layouts: int = 256) -> None:
+        self.max_layouts = max_layouts
+        self._layouts: dict[int, Layout] = {}
+
+    def forget(self) -> None:
+        self._layouts.clear()
+
+    def learn(self, body: Mapping[str, Any] | None) -> None:
+        """Take in the layouts a message announces (before decoding its parts)."""
+        announced = (body or {}).get("L")
+        if announced is None:
+            return
+        if not isinstance(announced, dict):
+            raise ProtocolError("announced layouts must be a map id -> layout")
+        for layout_id, data in announced.items():
+            if not _is_int(layout_id) or not 0 <= layout_id < MAX_LAYOUT_ID:
+                raise ProtocolError(f"bad layout id {layout_id!r}")
+            if layout_id not in self._layouts and len(self._layouts) >= self.max_layouts:
+                raise ProtocolError(f"peer announced more than {self.max_layouts} layouts")
+            self._layouts[layout_id] = Layout.from_data(data)
+
+    def decode(self, header: Header, frames: Sequence[Any]) -> list[DecodedPart]:
+        """Split ``frames`` (all frames after the header) into the header's parts."""
+        self.learn(header.body)
+        layouts = [self._layout(i) for i in header.layouts]
+        expected = sum(layout.num_frames for layout in layouts)
+        if len(frames) != expected:
+            raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
+        nontensor = _nontensor_lists(header.body, layouts)
+        parts, start = [], 0
+        for layout, values in zip(layouts, nontensor, strict=True):
+            chunk = frames[start : start + layout.num_frames]
+            parts.append(DecodedPart(layout, _unpack(layout, chunk), values))
+            start += layout.num_frames
+        return parts
+
+    def _layout(self, layout_id: int) -> Layout:
+        layout = self._layouts.get(layout_id)
+        if layout is None:
+            raise ProtocolError(f"unknown layout id {layout_id}")
+        return layout
+
+
+def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> list[list[Any]]:
+    lists = (body or {}).get("nt")
+    if lists is None:
+        lists = [[] for _ in layouts]
+    if not isinstance(lists, list) or len(lists) != len(layouts):
+        raise ProtocolError("non-tensor values must be one list per part")
+    for values, layout in zip(lists, layouts, strict=True):
+        if not isinstance(values, list) or len(values) != len(layout.nontensor_keys):
+            raise ProtocolError("non-tensor values do not match the layout's keys")
+    return lists
+
+
+def _buffer(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", frame)
+    return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+
+
+def _unpack(layout: Layout, frames: Sequence[Any]) -> list[torch.Tensor]:
+    buffers = [_buffer(f) for f in frames]
+    for buffer, size in zip(buffers, layout.frame_sizes, strict=True):
+        if buffer.nbytes != size:
+            raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
+    flat = [_as_uint8(buffer) for buffer in buffers]
+    tensors = []
+    for leaf in layout.leaves:
+        raw = flat[leaf.frame][leaf.offset : leaf.offset + leaf.nbytes]
+        tensors.append(raw.view(leaf.dtype).reshape(leaf.shape))
+    return tensors
+
+
+def _as_uint8(buffer: memoryview) -> torch.Tensor:
+    if buffer.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # zmq frames are read-only; tensors made from them are never written
+        # (the pool copies them into its batch), so torch's warning is noise.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def tensordict_from_leaves(
+    layout: Layout, tensors: Sequence[torch.Tensor], nontensor: Sequence[Any], batch_dims: int = 0
+) -> TensorDict:
+    """A TensorDict with ``layout``'s keys; ``batch_dims`` extra leading dims (stacked)."""
+    lead = tuple(tensors[0].shape[:batch_dims]) if tensors and batch_dims else ()
+    nested: dict[str, Any] = {}
+    for leaf, tensor in zip(layout.leaves, tensors, strict=True):
+        _insert(nested, leaf.key, tensor)
+    td = TensorDict(nested, batch_size=lead + layout.batch_size)
+    for key, value in zip(layout.nontensor_keys, nontensor, strict=True):
+        td.set_non_tensor(key, value)
+    return td
+
+
+def _insert(nested: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+    for part in key[:-1]:
+        nested = nested.setdefault(part, {})
+        if not isinstance(nested, dict):
+            raise ProtocolError(f"key {'/'.join(key)} is both a leaf and a branch")
+    if key[-1] in nested:
+        raise ProtocolError(f"key {'/'.join(key)} appears twice")
+    nested[key[-1]] = value
+
+
+def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:
+    """Stack parts of one layout into a batch: one ``torch.stack`` per leaf, one TensorDict."""
+    layout = parts[0].layout
+    stacked = [torch.stack([p.tensors[i] for p in parts]) for i in range(len(layout.leaves))]
+    td = tensordict_from_leaves(layout, stacked, [], batch_dims=1) if stacked else None
+    if td is None:
+        td = TensorDict({}, batch_size=(len(parts), *layout.batch_size))
+    for i, key in enumerate(layout.nontensor_keys):
+        td.set_non_tensor(key, None)
+        td.set(key, NonTensorStack(*(p.nontensor[i] for p in parts)))
+    return td
