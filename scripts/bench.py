@@ -68,6 +68,7 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase, ParallelEnv
 
+from zmqpool import benchenvs
 from zmqpool.benchenvs import STOP, CountingGymEnv
 from zmqpool.testing import CountingEnv
 
@@ -144,8 +145,10 @@ def build_scenarios(quick: bool) -> dict[str, Scenario]:
 
 
 QUICK_ROWS: dict[str, tuple[str, ...]] = {
-    "cheap": ("zmqpool", "torchrl-queue", "torchrl-shm", "serial", "gym-async", "gym-serial"),
+    "cheap": ALL_ROWS[:-1],
+    "pixel": ("zmqpool", "torchrl-shm"),
     "1mib": ("zmqpool", "bare-zmq"),
+    "latency": ("zmqpool", "serial"),
     "roundtrip": ("zmqpool", "bare-zmq"),
 }
 
@@ -208,14 +211,17 @@ class AsyncLoop:
         pool.async_step_send(action_td(num_envs), env_index=list(range(num_envs)))
 
     def __call__(self) -> int:
-        result = self.pool.async_step_recv(min_get=1, timeout=self.timeout_s)
+        # No ``timeout`` here: torchrl treats it as a deadline and, once ``min_get``
+        # results are in, keeps collecting until it expires. The row watchdog bounds this.
+        result = self.pool.async_step_recv(min_get=1)
         done = env_indices(result)
         self.pool.async_step_send(action_td(len(done)), env_index=done)
         return len(done)
 
     def drain(self) -> None:
         """Collect the steps still in flight so the pool closes idle."""
-        self.pool.async_step_recv(min_get=self.num_envs, timeout=self.timeout_s)
+        n = self.num_envs
+        self.pool.async_step_recv(min_get=n, max_get=n, timeout=self.timeout_s)
 
 
 @contextlib.contextmanager
@@ -359,6 +365,12 @@ def gym_serial_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
 # --------------------------------------------------------------------------- bare pyzmq
 
 
+# Runs benchenvs.py by path, so the peer skips the zmqpool package's (torch) imports.
+ECHO_BOOT = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 class BareZmqEcho:
     """The transport floor: a ROUTER sends each echo peer (a subprocess running
     :func:`zmqpool.benchenvs.echo_peer`) an action-sized request over DEALER; the
@@ -385,8 +397,8 @@ class BareZmqEcho:
 
     def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
         addrs = [self.router.LAST_ENDPOINT.decode(), self.pull.LAST_ENDPOINT.decode()]
-        argv = [sys.executable, "-m", "zmqpool.benchenvs", *addrs, peer.decode(), str(nbytes)]
-        return subprocess.Popen(argv)
+        args = [benchenvs.__file__, *addrs, peer.decode(), str(nbytes)]
+        return subprocess.Popen([sys.executable, "-c", ECHO_BOOT, *args], cwd=self.tmpdir)
 
     def _poll(self, sock: zmq.Socket) -> None:
         if not sock.poll(self.timeout_ms):
@@ -607,12 +619,12 @@ TARGETS = (
 
 
 def judge(results: list[RowResult]) -> list[dict[str, Any]]:
-    """Every target whose scenario ran: its value and PASS/MISS (``None``: not measurable)."""
+    """Every target whose row ran: its value and PASS/MISS (``None``: not measurable)."""
     table = by_scenario(results)
-    ran = {r.scenario for r in results}
+    ran = {(r.scenario, r.row) for r in results}
     out = []
     for t in TARGETS:
-        if t.scenario not in ran:
+        if (t.scenario, t.row) not in ran:
             continue
         verdict = t.check(table.get(t.scenario, {}))
         value, text, passed = verdict if verdict else (None, "n/a", None)
@@ -655,12 +667,12 @@ def target_text(scenario: str, row: str, verdicts: list[dict[str, Any]]) -> str:
 def markdown_table(results: list[RowResult], verdicts: list[dict[str, Any]]) -> str:
     ratio = ratios(results)
     lines = [
-        "| scenario | row | envs | steps/s | | zmqpool / row | target |",
+        "| scenario | row | envs | steps/s | detail | zmqpool / row | target |",
         "|---|---|--:|--:|---|--:|---|",
     ]
     for r in results:
         rate = f"ERROR: {r.error}" if r.error else f"{r.steps_per_s:,.0f}"
-        speedup = f"{ratio[(r.scenario, r.row)]:.2f}x" if (r.scenario, r.row) in ratio else ""
+        speedup = f"{ratio[(r.scenario, r.row)]:.3g}x" if (r.scenario, r.row) in ratio else ""
         cells = [
             r.scenario,
             r.row,
@@ -688,17 +700,11 @@ def write_json(path: Path, results: list[RowResult], verdicts: list, meta: dict)
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def write_plot(path: Path, results: list[RowResult]) -> None:
-    """A grouped bar chart of steps/s per scenario and row, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_bars(ax: Any, results: list[RowResult]) -> None:
+    """One bar group per scenario, one colour per row (absent rows leave a gap)."""
     scenarios = list(dict.fromkeys(r.scenario for r in results))
     rows = [row for row in ALL_ROWS if any(r.row == row for r in results)]
     width = 0.8 / max(len(rows), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(scenarios)), 4.5))
     for j, row in enumerate(rows):
         cells = [
             (scenarios.index(r.scenario), r.steps_per_s)
@@ -709,8 +715,20 @@ def write_plot(path: Path, results: list[RowResult]) -> None:
             xs, ys = zip(*cells, strict=True)
             ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], ys, width, label=row)
     ax.set_xticks(range(len(scenarios)), scenarios)
+
+
+def write_plot(path: Path, results: list[RowResult]) -> None:
+    """A grouped bar chart of steps/s per scenario and row, log scale (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    plot_bars(ax, results)
     ax.set_yscale("log")
     ax.set_ylabel("env-steps / s")
+    ax.set_title("zmqpool benchmark (roundtrip: 1 env, sequential round trips)")
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

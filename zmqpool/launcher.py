@@ -124,7 +124,8 @@ def stop_all(processes: Sequence[LocalProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for process in processes:
         if not process.wait(deadline - time.monotonic()):
-            log.warning("worker pid %d did not exit in time; killing it", process.pid)
+            if timeout_s > 0:
+                log.warning("worker pid %d did not exit in time; killing it", process.pid)
             process.kill()
     for process in processes:
         process.release()

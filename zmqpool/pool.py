@@ -57,7 +57,8 @@ class _Resources:
         self.broker: Broker | None = None
         self.closed = False
 
-    def release(self) -> None:
+    def release(self, grace_s: float | None = None) -> None:
+        """Close workers (waiting ``grace_s``, default the config's close timeout), then kill."""
         if self.closed:
             return
         self.closed = True
@@ -65,7 +66,8 @@ class _Resources:
             close = Header(Command.CLOSE).encode()
             for identity in list(self.broker.workers):
                 self.broker.route(identity, [close])
-        stop_all(list(self.processes.values()), self.config.close_timeout_s)
+        grace_s = self.config.close_timeout_s if grace_s is None else grace_s
+        stop_all(list(self.processes.values()), grace_s)
         if self.broker is not None:
             self.broker.close()
         remove_private_dir(self.directory)
@@ -136,7 +138,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         try:
             return self._start()
         except BaseException:
-            self._resources.release()
+            self._resources.release(grace_s=0.0)  # a failed start owes its workers nothing
             raise
 
     def _start(self) -> tuple[Any, Any]:
@@ -283,7 +285,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._set_env_index(next_root, idx)
         return tensordict, next_root
 
+    def reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
+        self._check_open()
+        return super().reset(tensordict, **kwargs)
+
     def _check_idle(self, kind: Kind) -> None:
+        self._check_open()
         if self._outstanding[kind] > 0:
             raise RuntimeError("Some envs are still processing a step.")
 
@@ -298,6 +305,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     ) -> None:
         self._check_open()
         self._check_env_index_arg(env_index)
+        if isinstance(env_index, Sequence):
+            env_index = self._check_indices(list(env_index), tensordict)
         tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
         per_env = isinstance(env_index, int)
         local_tds = self._validate_batch(tensordict, env_idx)
@@ -321,13 +330,25 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
             raise IndexError(f"env_index {env_index} is out of range for {self.num_envs} envs")
 
-    def _validate_batch(self, tensordict: TensorDictBase, env_idx: list) -> tuple:
-        env_idx[:] = [int(i) for i in env_idx]
+    def _check_indices(self, env_idx: list, tensordict: TensorDictBase | None) -> list[int]:
+        """Refuse bad indices before anything is sent or written into the caller's tensordict."""
+        if any(isinstance(i, bool) or not isinstance(i, (int, torch.Tensor)) for i in env_idx):
+            raise TypeError(f"env indices must be integers, got {env_idx}")
+        env_idx = [int(i) for i in env_idx]
         bad = [i for i in env_idx if not 0 <= i < self.num_envs]
         if bad:
             raise IndexError(f"env indices {bad} are out of range for {self.num_envs} envs")
         if len(set(env_idx)) != len(env_idx):
             raise ValueError(f"env indices {env_idx} repeat an env")
+        if tensordict is not None and tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
+            raise ValueError(
+                f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
+                f"the {len(env_idx)} env indices {env_idx}"
+            )
+        return env_idx
+
+    def _validate_batch(self, tensordict: TensorDictBase, env_idx: list) -> tuple:
+        env_idx[:] = self._check_indices(list(env_idx), None)
         if tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
             raise ValueError(
                 f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
@@ -408,6 +429,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     ) -> list[Reply]:
         """Wait for ``min_get`` replies, then take what else is ready (up to ``max_get``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._pump(0)
         while self._ledger.count_ready(channel) < min_get:
             self._raise_ready_error(channel)
             remaining = self._remaining(deadline)
@@ -424,7 +446,10 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _top_up(self, channel: Channel, max_get: int | None, deadline: float | None) -> None:
         """As torchrl: with a deadline, keep collecting until it passes or max_get is met."""
         self._pump(0)
-        limit = float("inf") if max_get is None else max_get
+        # Unlike torchrl, stop once every request of the channel is answered:
+        # nothing more can arrive, so waiting for the deadline would be waste.
+        answerable = self._ledger.count_ready(channel) + self._ledger.in_flight(channel)
+        limit = answerable if max_get is None else min(max_get, answerable)
         while deadline is not None and self._ledger.count_ready(channel) < limit:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

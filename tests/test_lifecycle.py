@@ -1,0 +1,114 @@
+"""Construction and teardown: clear errors, lambdas, mixed envs, bounded close, no leftovers."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict
+
+from tests.conftest import FAST, pids_alive
+from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv, FaultyEnv
+
+
+def worker_pids(pool) -> list[int]:
+    return [p.pid for p in pool._resources.processes.values()]
+
+
+def private_dirs() -> set[str]:
+    return set(glob.glob("/tmp/zmqp-*"))
+
+
+def test_env_maker_error_names_the_env_and_leaves_nothing_behind():
+    before = private_dirs()
+    makers = [CountingEnv, functools.partial(FaultyEnv, in_init=True)]
+    with pytest.raises(EnvMakerError) as info:
+        ZMQAsyncEnvPool(makers, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=FAST)
+    assert info.value.env_index == 1
+    assert "FaultyEnv 1 refuses to be built" in info.value.remote_traceback
+    assert private_dirs() <= before
+
+
+def test_lambdas_closures_and_heterogeneous_envs_with_a_lazy_stack():
+    width = 6
+
+    def wide_env():  # a closure: torchrl's spawn-based pool cannot send it
+        return CountingEnv(env_id=1, obs_shape=(width,))
+
+    pool = ZMQAsyncEnvPool(
+        [lambda: CountingEnv(env_id=0), wide_env], stack="lazy", envs_per_worker=2, config=FAST
+    )
+    try:
+        td = pool.reset()
+        assert isinstance(td, LazyStackedTensorDict)
+        assert [t["observation"].shape[-1] for t in td.tensordicts] == [4, width]
+        td["action"] = torch.full((2, 1), 0.5)
+        out = pool.step(td)
+        assert [t["observation"][1].item() for t in out["next"].tensordicts] == [1.0, 1.0]
+        pool.async_step_send(td, env_index=[0, 1])
+        got = pool.async_step_recv(min_get=2, timeout=30)
+        assert [t["observation"][0].item() for t in got.tensordicts] == [0.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_close_is_bounded_with_a_hung_worker_and_leaves_nothing():
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=1.0)
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv, create_env_kwargs=[{"fault": "hang", "fault_at": 1}], config=config
+    )
+    pids, directory = worker_pids(pool), pool._resources.directory
+    td = pool.reset()
+    td["action"] = torch.zeros(1, 1)
+    pool.async_step_send(td, env_index=[0])
+    with pytest.raises(TimeoutError):
+        pool.async_step_recv(min_get=1, timeout=0.3)
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < config.close_timeout_s + 2.0
+    assert pids_alive(pids) == []
+    assert not glob.glob(f"{directory}*")
+    with pytest.raises(PoolClosedError):
+        pool.reset()
+
+
+DROPPED = textwrap.dedent(
+    """
+    import gc, os, sys
+    from zmqpool import ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}])
+    print(" ".join(str(p.pid) for p in pool._resources.processes.values()))
+    print(pool._resources.directory, flush=True)
+    pool.reset()
+    if sys.argv[1] == "drop":
+        del pool
+        gc.collect()
+        print("dropped", flush=True)
+    # else: exit with the pool still open
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["drop", "exit"])
+def test_unclosed_pool_cleans_up_and_does_not_block_exit(how, tmp_path):
+    script = tmp_path / "dropped.py"
+    script.write_text(DROPPED)
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script), how], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    pids_line, directory = out.stdout.splitlines()[:2]
+    assert pids_alive([int(p) for p in pids_line.split()]) == []
+    assert not glob.glob(f"{directory}*")
+    if how == "drop":
+        assert "dropped" in out.stdout
+    assert time.monotonic() - start < 110

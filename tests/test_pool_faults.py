@@ -1,0 +1,84 @@
+"""Env errors and deadlines: the caller gets a clear error, the other envs stay usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAST
+from zmqpool import EnvError, ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv, FaultyEnv
+
+RAISING, SLOW, PLAIN = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def odd_pool():
+    """env 0 raises at step 2 of every episode, env 1 takes 0.4 s a step, env 2 is plain."""
+    p = ZMQAsyncEnvPool(
+        [FaultyEnv, CountingEnv, CountingEnv],
+        create_env_kwargs=[
+            {"env_id": 0, "fault": "raise", "fault_at": 2},
+            {"env_id": 1, "step_sleep_s": (0.4, 0.4)},
+            {"env_id": 2},
+        ],
+        config=FAST,
+    )
+    yield p
+    p.close()
+
+
+def one(td, env):
+    sub = td[[env]]
+    sub["action"] = torch.full((1, 1), 0.5)
+    return sub
+
+
+def test_env_error_names_the_env_and_carries_its_traceback(odd_pool):
+    td = odd_pool.reset()
+    odd_pool.async_step_send(one(td, RAISING), env_index=[RAISING])
+    odd_pool.async_step_recv(min_get=1, timeout=30)
+    odd_pool.async_step_send(one(td, RAISING), env_index=[RAISING])
+    with pytest.raises(EnvError) as info:
+        odd_pool.async_step_recv(min_get=1, timeout=30)
+    assert info.value.env_index == RAISING
+    assert "FaultyEnv 0 failed at step 2" in info.value.remote_traceback
+    assert "Traceback" in str(info.value)
+    assert not odd_pool._busy
+
+
+def test_other_envs_stay_usable_after_an_env_error(odd_pool):
+    td = odd_pool.reset()
+    odd_pool.async_step_send(one(td, RAISING), env_index=[RAISING])
+    odd_pool.async_step_recv(min_get=1, timeout=30)
+    both = td[[RAISING, PLAIN]]
+    both["action"] = torch.full((2, 1), 0.5)
+    odd_pool.async_step_send(both, env_index=[RAISING, PLAIN])
+    with pytest.raises(EnvError):
+        odd_pool.async_step_recv(min_get=2, timeout=30)
+    # The healthy env's reply was kept for the next call.
+    out = odd_pool.async_step_recv(min_get=1, timeout=30)
+    assert [int(i) for i in out["env_index"]] == [PLAIN]
+    # The raising env itself still answers: a reset brings it back.
+    odd_pool.async_reset_send(env_index=[RAISING])
+    assert odd_pool.async_reset_recv(min_get=1, timeout=30)["observation"][0, 0] == 0
+
+
+def test_timeout_raises_and_keeps_the_result_for_the_next_call(odd_pool):
+    td = odd_pool.reset()
+    odd_pool.async_step_send(one(td, SLOW), env_index=[SLOW])
+    with pytest.raises(TimeoutError):
+        odd_pool.async_step_recv(min_get=1, timeout=0.05)
+    out = odd_pool.async_step_recv(min_get=1, timeout=30)
+    assert out["next", "observation"][0, :2].tolist() == [1.0, 1.0]
+
+
+def test_timeout_bounds_the_call_once_min_get_is_met(odd_pool):
+    td = odd_pool.reset()
+    both = td[[SLOW, PLAIN]]
+    both["action"] = torch.full((2, 1), 0.5)
+    odd_pool.async_step_send(both, env_index=[SLOW, PLAIN])
+    first = odd_pool.async_step_recv(min_get=1, timeout=0.2)
+    assert [int(i) for i in first["env_index"]] == [PLAIN]
+    rest = odd_pool.async_step_recv(min_get=1, timeout=30)
+    assert [int(i) for i in rest["env_index"]] == [SLOW]

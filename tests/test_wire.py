@@ -1,0 +1,196 @@
+"""The wire codec: exact round trips, zero-copy large leaves, ProtocolError for malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from zmqpool.errors import ProtocolError, VersionMismatchError
+from zmqpool.wire import (
+    PROTOCOL_VERSION,
+    ZERO_COPY_THRESHOLD,
+    Command,
+    Decoder,
+    Encoder,
+    Header,
+    encode_message,
+)
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
+
+
+def as_received(frames):
+    """What a peer gets: read-only buffers, like zmq frames."""
+    return [memoryview(bytes(f)) for f in frames]
+
+
+def round_trip(td, encoder=None, decoder=None):
+    encoder, decoder = encoder or Encoder(), decoder or Decoder()
+    frames = as_received(encode_message(Header(Command.RESULT, 1, 2), [encoder.encode(td)]))
+    header = Header.decode(frames[0])
+    return decoder.decode(header, frames[1:])[0].to_tensordict()
+
+
+def sample(dtype, shape):
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_rl_dtype_round_trips_exactly(dtype):
+    td = TensorDict({"x": sample(dtype, (3, 5)), "scalar": sample(dtype, ())}, [])
+    out = round_trip(td)
+    for key in ("x", "scalar"):
+        assert out[key].dtype == dtype and out[key].shape == td[key].shape
+        assert torch.equal(out[key], td[key])
+
+
+def test_empty_noncontiguous_nested_and_batched():
+    base = torch.arange(12.0).reshape(3, 4)
+    td = TensorDict(
+        {
+            "empty": torch.empty(0, 7),
+            "transposed": base.t(),  # not contiguous
+            "strided": base[:, ::2],
+            "a": {"b": {"c": torch.ones(2, 2, dtype=torch.int64)}},
+        },
+        batch_size=[],
+    )
+    out = round_trip(td)
+    assert out["empty"].shape == (0, 7)
+    assert torch.equal(out["transposed"], base.t())
+    assert torch.equal(out["strided"], base[:, ::2])
+    assert torch.equal(out["a", "b", "c"], td["a", "b", "c"])
+    batched = TensorDict({"obs": torch.randn(2, 3)}, batch_size=[2])
+    assert round_trip(batched).batch_size == torch.Size([2])
+
+
+def test_non_tensor_plain_data_round_trips_and_objects_are_refused():
+    td = TensorDict({"x": torch.zeros(1)}, [])
+    td.set_non_tensor("info", {"text": "hi", "n": [1, 2]})
+    assert round_trip(td).get_non_tensor("info") == {"text": "hi", "n": [1, 2]}
+    td.set_non_tensor("bad", object())
+    with pytest.raises(ProtocolError, match="not plain data"):
+        Encoder().encode(td)
+
+
+def test_large_leaves_are_read_without_a_copy():
+    big = torch.randn(ZERO_COPY_THRESHOLD // 4 + 1)
+    td = TensorDict({"big": big, "small": torch.ones(3)}, [])
+    encoded = Encoder().encode(td)
+    assert len(encoded.frames) == 2  # one packed frame, one zero-copy frame
+    frames = as_received(encode_message(Header(Command.RESULT), [encoded]))
+    part = Decoder().decode(Header.decode(frames[0]), frames[1:])[0]
+    address = np.frombuffer(frames[2], dtype=np.uint8).ctypes.data
+    assert part.tensors[0].data_ptr() == address  # a view on the received frame
+    assert torch.equal(part.tensors[0], big)
+
+
+def test_layouts_are_announced_once_then_referenced():
+    encoder, decoder = Encoder(), Decoder()
+    td = TensorDict({"obs": torch.randn(4)}, [])
+    first = encode_message(Header(Command.RESULT), [encoder.encode(td)])
+    second = encode_message(Header(Command.RESULT), [encoder.encode(td)])
+    assert "L" in Header.decode(first[0]).body
+    assert Header.decode(second[0]).body is None
+    assert len(second[0]) < 24  # per-step headers stay tiny
+    for frames in (first, second):
+        frames = as_received(frames)
+        decoder.decode(Header.decode(frames[0]), frames[1:])
+
+
+def fields(**override):
+    base = {
+        "version": PROTOCOL_VERSION,
+        "command": int(Command.RESULT),
+        "env": 0,
+        "seq": 1,
+        "token": b"",
+        "layouts": [],
+        "body": None,
+    }
+    base.update(override)
+    return msgpack.packb(list(base.values()), use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",  # never valid msgpack
+        b"not msgpack at all \xff\xfe",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"version": 1}),
+        fields()[:-2],  # truncated
+        fields(command=999),
+        fields(command="STEP"),
+        fields(env="0"),
+        fields(seq=-1),
+        fields(token="text"),
+        fields(layouts=[-1]),
+        fields(layouts=[0] * 99),
+        fields(body=[1]),
+    ],
+)
+def test_malformed_headers_raise_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        Header.decode(frame)
+
+
+def test_version_mismatch_is_its_own_error():
+    with pytest.raises(VersionMismatchError, match="version 99"):
+        Header.decode(fields(version=99))
+
+
+def announced(layout_data, layout_id=0):
+    return Header(Command.RESULT, layouts=(layout_id,), body={"L": {layout_id: layout_data}})
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"b": [], "t": [[["x"], "float128", [1], False]], "n": []},  # unknown dtype
+        {"b": [], "t": [[["x"], "float32", [-1], False]], "n": []},  # negative size
+        {"b": [], "t": [[["x"], "float32", [1 << 35, 1 << 35], True]], "n": []},  # 10+ GB
+        {"b": [], "t": [[[], "float32", [1], False]], "n": []},  # empty key
+        {"b": [], "t": [["x", "float32", [1], False]], "n": []},  # key not a path
+        {"b": [], "t": [[["x"], "float32", [1], False]] * 2, "n": []},  # key twice
+        {"b": [], "t": "nope", "n": []},
+        {"t": [], "n": []},
+    ],
+)
+def test_malformed_layouts_raise_protocol_error(layout):
+    with pytest.raises(ProtocolError):
+        parts = Decoder().decode(announced(layout), [b"\0" * 4])
+        parts[0].to_tensordict()
+
+
+def test_frames_must_match_the_layout():
+    encoder = Encoder()
+    td = TensorDict({"obs": torch.randn(4)}, [])
+    frames = as_received(encode_message(Header(Command.RESULT), [encoder.encode(td)]))
+    header = Header.decode(frames[0])
+    with pytest.raises(ProtocolError, match="tensor frames"):
+        Decoder().decode(header, frames[1:] + frames[1:])
+    with pytest.raises(ProtocolError, match="bytes where the layout says"):
+        Decoder().decode(header, [memoryview(b"\0" * 3)])
+    with pytest.raises(ProtocolError, match="unknown layout"):
+        Decoder().decode(Header(Command.RESULT, layouts=(5,)), [])
