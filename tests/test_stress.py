@@ -18,7 +18,7 @@ def test_async_random_subsets_deliver_every_step_exactly_once(pool):
     count = [0] * NUM_ENVS  # steps each env has taken since the reset
     awaited: dict[int, float] = {}  # env -> the action value it was sent
     sent = received = 0
-    while received < STEPS:
+    while received < STEPS or awaited:
         idle = [e for e in range(NUM_ENVS) if e not in awaited]
         subset = sorted(rng.sample(idle, rng.randint(0, len(idle)))) if idle else []
         if subset and sent < STEPS:

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
+def die_with_parent(parent_pid: int | None) -> None:
     """Ask Linux to SIGKILL us when the pool's process dies, so no worker outlives it."""
     if parent_pid is None or not sys.platform.startswith("linux"):
         return
@@ -57,10 +57,10 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
 
-def _recipes_from_stdin() -> tuple[list[int], list[EnvRecipe]]:
+def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
     import cloudpickle
 
-    payload = cloudpickle.loads(sys.stdin.buffer.read())
+    payload = cloudpickle.loads(data)
     sys.path[:0] = [p for p in payload["sys_path"] if p not in sys.path]
     recipes = [EnvRecipe(maker, kwargs) for maker, kwargs in payload["recipes"]]
     return list(payload["indices"]), recipes
@@ -81,10 +81,20 @@ def _recipes_from_args(args: argparse.Namespace) -> tuple[list[int], list[EnvRec
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m workers``: see ``--help``."""
+    return run(argv)
+
+
+def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
+    """Run a worker; ``maker_payload`` replaces stdin for ``--maker-stdin`` (the fork server)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(message)s")
-    _die_with_parent(args.parent_pid)
-    indices, recipes = _recipes_from_stdin() if args.maker_stdin else _recipes_from_args(args)
+    die_with_parent(args.parent_pid)
+    if args.maker_stdin:
+        data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
+        indices, recipes = _recipes_from_payload(data)
+    else:
+        indices, recipes = _recipes_from_args(args)
     identity = (args.identity or f"{os.uname().nodename}-{os.getpid()}").encode()
     worker = Worker(
         args.connect,

@@ -171,9 +171,14 @@ class Worker:
         self.push.send_multipart(reply, copy=False)
 
     def _error_reply(self, header: Header, err: Exception) -> list[Any]:
-        kind = "malformed command" if isinstance(err, ProtocolError) else "env raised"
-        log.warning("env %d: %s: %r", header.env, kind, err)
-        body = {"err": f"{kind}: {err!r}", "tb": traceback.format_exc()}
+        malformed = isinstance(err, ProtocolError)
+        what = "malformed command" if malformed else "env raised"
+        log.warning("env %d: %s: %r", header.env, what, err)
+        body = {
+            "err": f"{what}: {err!r}",
+            "tb": traceback.format_exc(),
+            "kind": "protocol" if malformed else "env",  # "env" may restart the worker
+        }
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:

@@ -28,8 +28,9 @@ from typing import Any
 import zmq
 
 from zmqpool.config import PoolConfig
-from zmqpool.errors import EnvError, ProtocolError, RegistrationError
-from zmqpool.launcher import LocalProcess
+from zmqpool.errors import EnvError, ProtocolError, RegistrationError, VersionMismatchError
+from zmqpool.launcher import WorkerProcess
+from zmqpool.policy import Liveness
 from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
 from zmqpool.wire import Command, Decoder, Encoder, Header, encode_message
 
@@ -49,6 +50,10 @@ class Event:
 
 
 Admit = Callable[[bytes, dict[str, Any]], list[int]]
+EnvErrorHook = Callable[[int, Pending, EnvError], bool]
+
+#: Commands that step an env; sent to a freshly restarted env, they become a reset.
+STEP_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
 
 
 class Broker:
@@ -68,9 +73,12 @@ class Broker:
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.pull, zmq.POLLIN)
         self.workers: dict[bytes, WorkerRecord] = {}
-        self.processes: dict[int, tuple[bytes, LocalProcess]] = {}
+        self.processes: dict[int, tuple[bytes, WorkerProcess]] = {}
         self.events: list[Event] = []
         self.admit: Admit | None = None
+        self.on_env_error: EnvErrorHook | None = None
+        # A pause longer than two heartbeats means the trainer was away, not the workers.
+        self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -80,11 +88,21 @@ class Broker:
 
     # ------------------------------------------------------------ processes
 
-    def watch(self, identity: bytes, process: LocalProcess) -> None:
+    def watch(self, identity: bytes, process: WorkerProcess) -> None:
         self.processes[process.pidfd] = (identity, process)
         self.poller.register(process.pidfd, zmq.POLLIN)
 
-    def unwatch(self, process: LocalProcess) -> None:
+    def kill(self, identity: bytes) -> None:
+        """SIGKILL a local worker; its pidfd then reports the death as usual."""
+        for watched, process in self.processes.values():
+            if watched == identity:
+                process.kill()
+
+    def forget_worker(self, identity: bytes) -> None:
+        self.workers.pop(identity, None)
+        self.liveness.forget(identity)
+
+    def unwatch(self, process: WorkerProcess) -> None:
         if process.pidfd in self.processes:
             del self.processes[process.pidfd]
             self.poller.unregister(process.pidfd)
@@ -99,17 +117,35 @@ class Broker:
     # ------------------------------------------------------------ sending
 
     def send(
-        self, env: int, command: Command, parts: list[Any], per_env: bool, inputs: Any, body=None
+        self,
+        env: int,
+        command: Command,
+        payload: Any,
+        per_env: bool,
+        inputs: Any,
+        body: dict[str, Any] | None = None,
     ) -> Pending:
-        """Encode and route one command to the worker hosting ``env``."""
-        worker = self.ledger.slots[env].worker
-        if worker is None:
-            raise RegistrationError(f"env {env} has no registered worker")
-        encoded = [worker.encoder.encode(part) for part in parts]
-        pending = self.ledger.open_request(env, command, per_env, inputs, time.monotonic())
-        frames = encode_message(Header(command, env, pending.seq, body=body), encoded)
-        self.route(worker.identity, frames)
+        """Record one request and route it to the worker hosting ``env``."""
+        now = time.monotonic()
+        pending = self.ledger.open_request(env, command, per_env, inputs, payload, body, now)
+        self.dispatch(env, pending)
         return pending
+
+    def dispatch(self, env: int, pending: Pending) -> None:
+        """Send a recorded request; while its worker restarts, it waits in the ledger."""
+        slot = self.ledger.slots[env]
+        worker = slot.worker
+        if worker is None:
+            return  # re-dispatched when the worker registers again
+        command, payload = pending.command, pending.payload
+        if slot.fresh and command in STEP_COMMANDS:
+            command, payload, pending.synth = Command.RESET, None, True
+        if command != Command.SEED:
+            slot.fresh = False
+        parts = [] if payload is None else [worker.encoder.encode(payload)]
+        pending.sent_at = time.monotonic()
+        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
+        self.route(worker.identity, frames)
 
     def route(self, identity: bytes, frames: list[Any]) -> bool:
         try:
@@ -121,24 +157,32 @@ class Broker:
 
     # ------------------------------------------------------------ receiving
 
-    def poll(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for traffic, then take in everything that is ready."""
+    def poll(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for traffic, then take in what is ready.
+
+        Returns whether both sockets were drained (nothing left unread), the
+        condition for judging anyone's silence or lateness fairly.
+        """
+        self.liveness.listening(time.monotonic())
         events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        drained = True
         if self.pull in events:
-            self._drain(self.pull, self._on_result)
+            drained &= self._drain(self.pull, self._on_result)
         if self.router in events:
-            self._drain(self.router, self._on_control)
+            drained &= self._drain(self.router, self._on_control)
         for fd in list(events):
             if isinstance(fd, int) and fd in self.processes:
                 self._on_process_exit(fd)
+        return drained
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> bool:
         for _ in range(_DRAIN_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             handle(frames)
+        return False
 
     def _on_result(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -149,24 +193,34 @@ class Broker:
         if header.command not in (Command.RESULT, Command.ERROR):
             self.ledger.drop("not a result on the results socket")
             return
-        pending = self.ledger.match(header.env, header.seq, header.token)
+        pending = self.ledger.match(header.env, header.seq, header.token, time.monotonic())
         if pending is None:
             return
-        self.ledger.deliver(self._reply(header, pending, frames[1:]))
+        reply = self._reply(header, pending, frames[1:])
+        if self._handled_as_crash(header, reply):
+            return
+        self.ledger.deliver(reply)
+
+    def _handled_as_crash(self, header: Header, reply: Reply) -> bool:
+        env_raised = (header.body or {}).get("kind") == "env"
+        if self.on_env_error is None or not env_raised or not isinstance(reply.error, EnvError):
+            return False
+        return self.on_env_error(header.env, reply.pending, reply.error)
 
     def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
         worker = self.ledger.slots[header.env].worker
         assert worker is not None  # match() checked the token against it
-        worker.last_seen = time.monotonic()
+        self.liveness.heard(worker.identity, time.monotonic())
         if header.command == Command.ERROR:
             body = header.body or {}
             error = EnvError(header.env, str(body.get("err", "")), str(body.get("tb", "")))
             return Reply(header.env, pending, error=error)
         try:
-            return Reply(header.env, pending, parts=worker.decoder.decode(header, frames))
+            parts = worker.decoder.decode(header, frames)
         except ProtocolError as err:
             # The request was real; its reply is broken: answer it with the error.
             return Reply(header.env, pending, error=EnvError(header.env, f"malformed reply: {err}"))
+        return Reply(header.env, pending, parts=parts, synthesized=pending.synth)
 
     def _on_control(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -186,8 +240,6 @@ class Broker:
         handler(self, identity, header)
 
     def _refuse_if_version(self, identity: bytes, err: ProtocolError) -> None:
-        from zmqpool.errors import VersionMismatchError
-
         if isinstance(err, VersionMismatchError):
             log.warning("refused worker %r: %s", identity, err)
             self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
@@ -195,7 +247,7 @@ class Broker:
     def _on_heartbeat(self, identity: bytes, header: Header) -> None:
         worker = self.workers.get(identity.removesuffix(b"!hb"))
         if worker is not None:
-            worker.last_seen = time.monotonic()
+            self.liveness.heard(worker.identity, time.monotonic())
 
     def _on_failed(self, identity: bytes, header: Header) -> None:
         body = header.body or {}
@@ -224,9 +276,9 @@ class Broker:
             pid,
             Decoder(),
             Encoder(self.config.zero_copy_threshold_bytes),
-            time.monotonic(),
         )
         self.workers[identity] = record
+        self.liveness.heard(identity, time.monotonic())
         for env in envs:
             self.ledger.slots[env].worker = record
         body = {"reg": {"token": token, "envs": envs, "results": self.results_ep}}

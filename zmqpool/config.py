@@ -39,10 +39,17 @@ class PoolConfig:
     restart_backoff_max_s: float = 2.0
     #: leaves at least this large travel as their own zero-copy frame.
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
+    #: fork local workers from a process that imported torchrl once (restarts
+    #: in milliseconds); False starts each worker as a fresh interpreter.
+    fork_server: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "fork_server":
+                if not isinstance(value, bool):
+                    raise ValueError(f"PoolConfig.fork_server must be a bool, got {value!r}")
+                continue
             if value is None and field.name == "step_timeout_s":
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:

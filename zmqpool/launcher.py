@@ -1,10 +1,17 @@
-"""Local worker processes: spawn, watch, stop.
+"""Local worker processes: start, watch, stop.
 
-A local worker is a plain ``python -m workers`` process. Its env makers reach
-it cloudpickled on its standard input (a pipe from this process: local and
-trusted), never over a socket, which is why lambdas and closures work here
-while torchrl's spawn-based pool rejects them. Its death is seen at once
-through a pidfd that the broker polls next to its sockets.
+A local worker runs ``python -m workers``'s code. Its env makers reach it
+cloudpickled through a pipe from this process (local and trusted), never over
+a socket, which is why lambdas and closures work here while torchrl's
+spawn-based pool rejects them. Its death is seen at once through a pidfd that
+the broker polls next to its sockets.
+
+Two ways to start one, behind one interface (:class:`WorkerProcess`):
+
+- :class:`ForkServer` (default): a zygote process that imported torch and
+  torchrl once forks each worker in tens of milliseconds, so a restart costs
+  milliseconds, not the seconds of a fresh interpreter's imports;
+- :class:`LocalProcess`: a fresh interpreter per worker (the fallback).
 """
 
 from __future__ import annotations
@@ -12,14 +19,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
+
+from workers.zygote import EXITED, REPORT, SPAWNED
 
 log = logging.getLogger("zmqpool")
 
@@ -39,8 +49,29 @@ def pickle_recipes(indices: Sequence[int], makers: Sequence[Any], kwargs: Sequen
     return cloudpickle.dumps(payload)
 
 
+class WorkerProcess(Protocol):
+    """What the broker and the pool need of a worker process."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def pidfd(self) -> int: ...
+
+    def exit_status(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout_s: float) -> bool: ...
+    def release(self) -> None: ...
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a worker: ours, with our sys.path importable (as multiprocessing does)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
 class LocalProcess:
-    """One spawned worker process and the pidfd that says when it exits."""
+    """One worker in a fresh interpreter, and the pidfd that says when it exits."""
 
     def __init__(self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None) -> None:
         self.argv = argv
@@ -48,6 +79,7 @@ class LocalProcess:
             argv,
             stdin=subprocess.PIPE,
             close_fds=True,
+            env=_child_env(),
             preexec_fn=_affinity_setter(cpu_affinity),
         )
         assert self.proc.stdin is not None
@@ -119,7 +151,140 @@ def worker_argv(
     ]
 
 
-def stop_all(processes: Sequence[LocalProcess], timeout_s: float) -> None:
+class ForkedProcess:
+    """A worker forked by the :class:`ForkServer`; the zygote reaps it and reports its status."""
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid = pid
+        self.server = server
+        self.pidfd = os.pidfd_open(pid)
+
+    def _dead(self, timeout_s: float) -> bool:
+        if self.pidfd < 0:
+            return True
+        ready, _, _ = select.select([self.pidfd], [], [], max(timeout_s, 0.0))
+        return bool(ready)
+
+    def exit_status(self) -> int | None:
+        if not self._dead(0.0):
+            return None
+        return self.server.status_of(self.pid, wait_s=1.0)
+
+    def kill(self) -> None:
+        if self.pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._dead(timeout_s)
+
+    def release(self) -> None:
+        self.kill()
+        self.wait(5.0)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class ForkServer:
+    """The client of ``workers.zygote``: ask it to fork a worker, learn how children died."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.zygote", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+            env=_child_env(),
+        )
+        self.statuses: dict[int, int] = {}
+        self._spawned: list[int] = []
+        self._partial = b""
+
+    def start(
+        self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None, timeout_s: float
+    ) -> ForkedProcess:
+        """Fork a worker running ``argv`` (the arguments after ``python -m workers``)."""
+        argv = _with_parent(argv, self.proc.pid)  # a forked worker's parent is the zygote
+        request = cloudpickle.dumps({"argv": argv, "payload": payload, "affinity": cpu_affinity})
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(len(request).to_bytes(8, "big") + request)
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while not self._spawned:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise OSError("the fork server did not answer (is it dead?)")
+            self._read_reports(0.1)
+        return ForkedProcess(self._spawned.pop(0), self)
+
+    def status_of(self, pid: int, wait_s: float) -> int | None:
+        deadline = time.monotonic() + wait_s
+        while pid not in self.statuses and time.monotonic() < deadline:
+            self._read_reports(0.01)
+        return self.statuses.pop(pid, None)
+
+    def _read_reports(self, timeout_s: float) -> None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        if not ready:
+            return
+        data = self._partial + os.read(fd, 65536)
+        cut = len(data) - len(data) % REPORT.size
+        self._partial = data[cut:]
+        for offset in range(0, cut, REPORT.size):
+            kind, pid, status = REPORT.unpack_from(data, offset)
+            if kind == SPAWNED:
+                self._spawned.append(pid)
+            elif kind == EXITED:
+                self.statuses[pid] = status
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # end of file: the zygote exits
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
+    argv = list(argv)
+    if "--parent-pid" in argv:
+        argv[argv.index("--parent-pid") + 1] = str(parent_pid)
+    return argv
+
+
+class Launcher:
+    """Starts local workers, through the fork server when it is enabled and alive."""
+
+    def __init__(self, use_fork_server: bool, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.fork_server = ForkServer() if use_fork_server else None
+
+    def start(
+        self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None
+    ) -> WorkerProcess:
+        if self.fork_server is not None:
+            try:
+                return self.fork_server.start(argv[3:], payload, cpu_affinity, self.timeout_s)
+            except OSError as err:
+                log.warning("fork server unavailable (%s); starting workers afresh", err)
+                self.fork_server.close()
+                self.fork_server = None
+        return LocalProcess(argv, payload, cpu_affinity)
+
+    def close(self) -> None:
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
+
+
+def stop_all(processes: Sequence[WorkerProcess], timeout_s: float) -> None:
     """Wait up to ``timeout_s`` in all for the processes to exit, then kill the rest."""
     deadline = time.monotonic() + timeout_s
     for process in processes:

@@ -22,16 +22,13 @@ from torchrl.envs import AsyncEnvPool, EnvBase
 from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import ipc_endpoints, make_private_dir, remove_private_dir
-from zmqpool.errors import (
-    EnvLostError,
-    EnvMakerError,
-    PoolClosedError,
-    ProtocolError,
-    RegistrationError,
-)
-from zmqpool.launcher import LocalProcess, pickle_recipes, stop_all, worker_argv
+from zmqpool.errors import EnvMakerError, PoolClosedError, ProtocolError, RegistrationError
+from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
 from zmqpool.specs import spec_from_data
 from zmqpool.state import Channel, Kind, Ledger, Reply
+from zmqpool.stats import stats_table
+from zmqpool.supervisor import Supervisor
+from zmqpool.synthesis import next_root_after_restart, truncated_next
 from zmqpool.wire import Command, DecodedPart, Header, stack_parts
 
 log = logging.getLogger("zmqpool")
@@ -53,8 +50,9 @@ class _Resources:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.directory = make_private_dir()
-        self.processes: dict[bytes, LocalProcess] = {}
+        self.processes: dict[bytes, WorkerProcess] = {}
         self.broker: Broker | None = None
+        self.launcher: Launcher | None = None
         self.closed = False
 
     def release(self, grace_s: float | None = None) -> None:
@@ -68,6 +66,8 @@ class _Resources:
                 self.broker.route(identity, [close])
         grace_s = self.config.close_timeout_s if grace_s is None else grace_s
         stop_all(list(self.processes.values()), grace_s)
+        if self.launcher is not None:
+            self.launcher.close()
         if self.broker is not None:
             self.broker.close()
         remove_private_dir(self.directory)
@@ -85,6 +85,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         envs_per_worker: envs hosted by each worker process.
         worker_affinity: one CPU mask per worker, or a callable ``worker -> mask``.
         config: timings and limits (:class:`~zmqpool.PoolConfig`).
+        on_env_error: ``"raise"`` (an env exception raises in recv, naming the
+            env, with its traceback) or ``"restart"`` (handled like a crash:
+            the worker is restarted and the request answered by a truncation).
         backend, exchange: accepted for compatibility with code written for
             torchrl's pool; the transport is always ZeroMQ.
 
@@ -107,6 +110,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         envs_per_worker: int = 1,
         worker_affinity: Any = None,
         config: PoolConfig | None = None,
+        on_env_error: Literal["raise", "restart"] = "raise",
         backend: str | None = None,
         exchange: str | None = None,
     ) -> None:
@@ -117,7 +121,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if _is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
             # One maker and one kwargs dict per env: torchrl refuses this; it means N envs.
             env_makers = [env_makers] * len(create_env_kwargs)
+        if on_env_error not in ("raise", "restart"):
+            raise ValueError(f"on_env_error must be 'raise' or 'restart', got {on_env_error!r}")
+        self.on_env_error = on_env_error
         self.config = config or PoolConfig()
+        #: env indices whose results in the latest recv were synthesized by a restart.
+        self.last_restarted_envs: list[int] = []
         self._resources = _Resources(self.config)
         self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
         self._outstanding = dict.fromkeys(Kind, 0)
@@ -147,11 +156,21 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._broker = Broker(self._ledger, self.config, endpoints.router, endpoints.results)
         self._resources.broker = self._broker
         self._broker.admit = self._admit
+        self._launcher = Launcher(self.config.fork_server, self.config.register_timeout_s)
+        self._resources.launcher = self._launcher
         self._worker_envs = self._plan_workers()
         self._registrations: dict[int, dict[str, Any]] = {}
         for worker_index in range(len(self._worker_envs)):
             self._spawn(worker_index)
         self._await_registration()
+        self._supervisor = Supervisor(
+            self._broker,
+            self._ledger,
+            self.config,
+            self._worker_envs,
+            self._spawn,
+            restart_on_env_error=self.on_env_error == "restart",
+        )
         self._child_specs = [
             spec_from_data(self._registrations[i]["spec"]) for i in range(self.num_envs)
         ]
@@ -178,7 +197,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             self._broker.router_ep, identity.decode(), indices, self.config.heartbeat_interval_s
         )
         affinity = None if self._worker_affinity is None else self._worker_affinity[worker_index]
-        process = LocalProcess(argv, payload, affinity)
+        process = self._launcher.start(argv, payload, affinity)
         self._resources.processes[identity] = process
         self._broker.watch(identity, process)
 
@@ -196,6 +215,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if not isinstance(specs, list) or len(specs) != len(envs):
             raise ProtocolError("REGISTER must carry one spec per env")
         for env, spec in zip(envs, specs, strict=True):
+            known = self._registrations.get(env)
+            if known is not None and known["spec"] != spec:
+                raise RegistrationError(f"env {env} came back with specs that differ from before")
             spec_from_data(spec)  # validate before accepting
             self._registrations[env] = {"spec": spec, "identity": identity}
         return list(envs)
@@ -263,7 +285,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._set_env_index(tensordict, list(range(tensordict.shape[0])))
         self.async_step_send(tensordict)
         replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
-        tensordict.set("next", self._stack([r.parts[0] for r in replies]))
+        tensordict.set("next", self._stack([self._next_of(r) for r in replies]))
         return tensordict
 
     def step_and_maybe_reset(
@@ -280,8 +302,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._set_env_index(tensordict, idx)
         self.async_step_and_maybe_reset_send(tensordict)
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
-        tensordict.set("next", self._stack([r.parts[0] for r in replies]))
-        next_root = self._stack([r.parts[1] for r in replies])
+        tensordict.set("next", self._stack([self._next_of(r) for r in replies]))
+        next_root = self._stack([self._root_of(r) for r in replies])
         self._set_env_index(next_root, idx)
         return tensordict, next_root
 
@@ -312,6 +334,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         local_tds = self._validate_batch(tensordict, env_idx)
         kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
         kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
+        self._refuse_lost(env_idx)
         if not per_env:
             busy = self._busy.intersection(env_idx)
             if busy:
@@ -321,10 +344,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 )
         for env, local in zip(env_idx, local_tds, strict=True):
             payload = local.exclude(self._env_idx_key, "next")
-            self._broker.send(env, command, [payload], per_env, inputs=local)
+            self._broker.send(env, command, payload, per_env, inputs=local)
         if not per_env:
             self._busy.update(env_idx)
             self._outstanding[kind] += len(env_idx)
+
+    def _refuse_lost(self, env_idx: list[int]) -> None:
+        for env in env_idx:
+            lost = self._ledger.slots[env].lost
+            if lost is not None:
+                raise lost
 
     def _check_env_index_arg(self, env_index: Any) -> None:
         if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
@@ -403,12 +432,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if env_index is not None:
             self._check_env_index_arg(env_index)
-            return self._collect((kind, env_index), 1, 1, None)
+            return self._note_restarted(self._collect((kind, env_index), 1, 1, None))
         min_get = self.min_get if min_get is None else min_get
         self._check_recv_args(kind, min_get, max_get, timeout)
-        replies = self._collect((kind, None), min_get, max_get, timeout)
+        replies = self._note_restarted(self._collect((kind, None), min_get, max_get, timeout))
         self._outstanding[kind] -= len(replies)
         self._busy.difference_update(r.env for r in replies)
+        return replies
+
+    def _note_restarted(self, replies: list[Reply]) -> list[Reply]:
+        self.last_restarted_envs = [r.env for r in replies if r.synthesized]
         return replies
 
     def _check_recv_args(self, kind: Kind, min_get: int, max_get: int | None, timeout) -> None:
@@ -427,7 +460,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _collect(
         self, channel: Channel, min_get: int, max_get: int | None, timeout: float | None
     ) -> list[Reply]:
-        """Wait for ``min_get`` replies, then take what else is ready (up to ``max_get``)."""
+        """Wait (up to ``timeout``) for ``min_get`` replies, then take what else is ready."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pump(0)
         while self._ledger.count_ready(channel) < min_get:
@@ -439,22 +472,18 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"after {timeout}s; they remain available to the next call."
                 )
             self._pump(remaining)
-        self._top_up(channel, max_get, deadline)
+        self._top_up(channel, max_get)
         self._raise_ready_error(channel)
         return sorted(self._ledger.take(channel, max_get), key=lambda r: r.env)
 
-    def _top_up(self, channel: Channel, max_get: int | None, deadline: float | None) -> None:
-        """As torchrl: with a deadline, keep collecting until it passes or max_get is met."""
+    def _top_up(self, channel: Channel, max_get: int | None) -> None:
+        """Once ``min_get`` is met, take what else is ready now; never wait for more.
+
+        torchrl keeps collecting until the deadline once ``min_get`` is met, so
+        a ``timeout`` meant as a safety net stalls every call; here ``timeout``
+        bounds only the wait for ``min_get``.
+        """
         self._pump(0)
-        # Unlike torchrl, stop once every request of the channel is answered:
-        # nothing more can arrive, so waiting for the deadline would be waste.
-        answerable = self._ledger.count_ready(channel) + self._ledger.in_flight(channel)
-        limit = answerable if max_get is None else min(max_get, answerable)
-        while deadline is not None and self._ledger.count_ready(channel) < limit:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._pump(remaining)
 
     def _remaining(self, deadline: float | None) -> float:
         if deadline is None:
@@ -462,31 +491,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return min(deadline - time.monotonic(), self.config.heartbeat_interval_s)
 
     def _pump(self, timeout_s: float) -> None:
-        """Move frames in, then act on what the broker saw (deaths, failures)."""
-        self._broker.poll(timeout_s)
+        """Move frames in, then let the supervisor act on deaths, timers and silences."""
+        wake = self._supervisor.next_wakeup() - time.monotonic()
+        drained = self._broker.poll(max(0.0, min(timeout_s, wake)))
         for event in self._broker.take_events():
-            self._on_event(event)
-
-    def _on_event(self, event: Event) -> None:
-        if event.kind == "exited":
-            envs = self._envs_of(event.identity)
-            status = event.detail["status"]
-            log.warning("worker of envs %s exited with status %s", envs, status)
-            self._fail_envs(envs, f"its worker process exited with status {status}")
-        elif event.kind == "failed":
-            log.warning("worker %r failed: %s", event.identity, event.detail["err"])
-
-    def _envs_of(self, identity: bytes) -> list[int]:
-        return [s.index for s in self._ledger.slots if s.worker and s.worker.identity == identity]
-
-    def _fail_envs(self, envs: list[int], why: str) -> None:
-        for env in envs:
-            slot = self._ledger.slots[env]
-            slot.worker = None
-            while slot.in_flight:
-                pending = slot.in_flight.popleft()
-                error = EnvLostError([env], why)
-                self._ledger.deliver(Reply(env, pending, error=error))
+            self._supervisor.on_event(event)
+        self._supervisor.tick(time.monotonic(), judge=drained)
 
     def _raise_ready_error(self, channel: Channel) -> None:
         reply = self._ledger.first_error(channel)
@@ -509,21 +519,39 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if command in _STEP_COMMANDS:
             root = self._stack_tds([r.pending.inputs for r in replies])
             root = root.exclude(self._env_idx_key)
-            root.set("next", self._stack([r.parts[0] for r in replies]))
+            root.set("next", self._stack([self._next_of(r) for r in replies]))
         else:
-            root = self._stack([r.parts[0] for r in replies])
+            root = self._stack([self._next_of(r) for r in replies])
         self._set_env_index(root, idx)
         if command != Command.STEP_AND_MAYBE_RESET:
             return root, None
-        next_root = self._stack([r.parts[1] for r in replies])
+        next_root = self._stack([self._root_of(r) for r in replies])
         self._set_env_index(next_root, idx)
         return root, next_root
 
-    def _stack(self, parts: list[DecodedPart]) -> TensorDictBase:
-        first = parts[0].layout
-        if self.stack == "dense" and all(p.layout is first for p in parts):
+    def _next_of(self, reply: Reply) -> DecodedPart | TensorDictBase:
+        """The reply's first part; for a restarted env, the truncation built from its reset."""
+        if not reply.synthesized:
+            return reply.parts[0]
+        reset = reply.parts[0].to_tensordict()
+        return truncated_next(self._child_specs[reply.env], reset)
+
+    def _root_of(self, reply: Reply) -> DecodedPart | TensorDictBase:
+        """step_and_maybe_reset's next root; for a restarted env, its reset state."""
+        if not reply.synthesized:
+            return reply.parts[1]
+        assert reply.pending.inputs is not None
+        result = reply.pending.inputs.exclude(self._env_idx_key, "next")
+        result.set("next", self._next_of(reply))
+        return next_root_after_restart(result, reply.parts[0].to_tensordict())
+
+    def _stack(self, parts: list[Any]) -> TensorDictBase:
+        layout = parts[0].layout if isinstance(parts[0], DecodedPart) else None
+        same = all(isinstance(p, DecodedPart) and p.layout is layout for p in parts)
+        if same and self.stack == "dense":
             return stack_parts(parts)
-        return self._stack_tds([p.to_tensordict() for p in parts])
+        tds = [p.to_tensordict() if isinstance(p, DecodedPart) else p for p in parts]
+        return self._stack_tds(tds)
 
     def _stack_tds(self, tds: list[Any]) -> TensorDictBase:
         result = self._stack_func(tds)
@@ -546,9 +574,28 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
         for env in range(self.num_envs):
             body = {"seed": None if seed is None else int(seed) + env}
-            self._broker.send(env, Command.SEED, [], True, inputs=None, body=body)
+            self._broker.send(env, Command.SEED, None, True, inputs=None, body=body)
         for env in range(self.num_envs):
             self._collect((Kind.RESET, env), 1, 1, self.config.register_timeout_s)
+
+    def stats(self, *, reset: bool = False) -> dict[int, dict[str, Any]]:
+        """Per env: steps, restarts, the last restart's cause, step latency (ms, p50 and p99).
+
+        Example:
+            >>> pool.stats()[0]["restarts"]  # doctest: +SKIP
+            0
+        """
+        from zmqpool.stats import env_stats
+
+        result = {slot.index: env_stats(slot) for slot in self._ledger.slots}
+        if reset:
+            for slot in self._ledger.slots:
+                slot.latencies_s.clear()
+        return result
+
+    def stats_table(self) -> str:
+        """:meth:`stats` as a table for people."""
+        return stats_table(self.stats())
 
     def _check_open(self) -> None:
         if self._resources.closed:

@@ -45,13 +45,16 @@ Channel = tuple[Kind, int | None]
 
 @dataclasses.dataclass
 class Pending:
-    """A request in flight."""
+    """A request in flight, with what it takes to send it again after a restart."""
 
     seq: int
     command: Command
     channel: Channel
-    inputs: TensorDictBase | None
+    inputs: TensorDictBase | None  # the caller's tensordict for this env
+    payload: TensorDictBase | None  # what goes on the wire
+    body: dict[str, Any] | None
     sent_at: float
+    synth: bool = False  # sent as a reset to a restarted env: answer with a truncation
 
 
 @dataclasses.dataclass
@@ -75,7 +78,6 @@ class WorkerRecord:
     pid: int
     decoder: Any
     encoder: Any
-    last_seen: float
 
 
 @dataclasses.dataclass
@@ -87,6 +89,9 @@ class EnvSlot:
     steps: int = 0
     restarts: int = 0
     last_restart_cause: str | None = None
+    fresh: bool = False  # rebuilt by a restart and not yet reset
+    lost: Exception | None = None  # a crash loop: every request raises this
+    latencies_s: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=1024))
 
 
 class Ledger:
@@ -98,19 +103,32 @@ class Ledger:
         self.dropped: dict[str, int] = {}
 
     def open_request(
-        self, env: int, command: Command, per_env: bool, inputs: TensorDictBase | None, now: float
+        self,
+        env: int,
+        command: Command,
+        per_env: bool,
+        inputs: TensorDictBase | None,
+        payload: TensorDictBase | None,
+        body: dict[str, Any] | None,
+        now: float,
     ) -> Pending:
         slot = self.slots[env]
         channel: Channel = (KIND_OF[command], env if per_env else None)
-        pending = Pending(slot.next_seq, command, channel, inputs, now)
+        pending = Pending(slot.next_seq, command, channel, inputs, payload, body, now)
         slot.next_seq += 1
         slot.in_flight.append(pending)
         return pending
 
+    def restamp(self, env: int, pending: Pending) -> None:
+        """A new sequence number, so a reply to the old one can never be taken for it."""
+        slot = self.slots[env]
+        pending.seq = slot.next_seq
+        slot.next_seq += 1
+
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def match(self, env: int, seq: int, token: bytes) -> Pending | None:
+    def match(self, env: int, seq: int, token: bytes, now: float) -> Pending | None:
         """The request a reply answers, if the reply is legitimate; counts what it drops."""
         if not 0 <= env < len(self.slots):
             self.drop("env index out of range")
@@ -122,7 +140,11 @@ class Ledger:
         if not slot.in_flight or slot.in_flight[0].seq != seq:
             self.drop("stale or unexpected sequence number")
             return None
-        return slot.in_flight.popleft()
+        pending = slot.in_flight.popleft()
+        if slot.in_flight:  # the worker starts on the next one now
+            slot.in_flight[0].sent_at = max(slot.in_flight[0].sent_at, now)
+        slot.latencies_s.append(now - pending.sent_at)
+        return pending
 
     def deliver(self, reply: Reply) -> None:
         stepped = reply.pending.command in (

@@ -1,0 +1,44 @@
+"""Restart and liveness decisions, with a fake clock: no sockets, no sleeping."""
+
+from zmqpool.policy import Liveness, RestartPolicy
+
+
+def test_backoff_doubles_up_to_its_cap():
+    policy = RestartPolicy(max_restarts=10, window_s=100, backoff_s=0.1, backoff_max_s=0.5)
+    delays = [policy.on_death("w", now=0.0).restart_at for _ in range(5)]
+    assert delays == [0.1, 0.2, 0.4, 0.5, 0.5]
+
+
+def test_crash_loop_past_the_limit_within_the_window():
+    policy = RestartPolicy(max_restarts=2, window_s=10, backoff_s=0.0, backoff_max_s=0.0)
+    assert [policy.on_death("w", now=t).crash_loop for t in (0, 1, 2)] == [False, False, True]
+    assert not policy.on_death("other", now=2).crash_loop  # per worker
+
+
+def test_a_worker_that_stayed_up_a_window_starts_afresh():
+    policy = RestartPolicy(max_restarts=2, window_s=10, backoff_s=0.0, backoff_max_s=0.0)
+    policy.on_death("w", now=0)
+    policy.on_death("w", now=1)
+    decision = policy.on_death("w", now=50)
+    assert not decision.crash_loop and decision.deaths_in_window == 1
+
+
+def test_silence_is_judged_only_while_listening():
+    live = Liveness(timeout_s=3.0, pause_s=1.0)
+    live.heard("w0", now=0.0)
+    live.listening(now=0.5)
+    assert live.silent(now=2.0) == []
+    live.listening(now=3.9)  # a trainer away for 3.4 s: not the worker's silence
+    assert live.silent(now=4.0) == []
+    live.listening(now=4.5)
+    assert live.silent(now=7.5) == ["w0"]
+
+
+def test_any_message_is_a_beat_and_forgotten_workers_are_not_judged():
+    live = Liveness(timeout_s=1.0, pause_s=10.0)
+    live.heard("w0", now=0.0)
+    live.heard("w1", now=0.0)
+    live.heard("w0", now=5.0)
+    live.forget("w1")
+    live.listening(now=5.5)
+    assert live.silent(now=5.5) == []

@@ -1,0 +1,222 @@
+"""Hot restart: crashed, exiting, hung and raising envs come back; every request answered once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv, FaultyEnv
+
+QUICK = PoolConfig(
+    register_timeout_s=90.0,
+    close_timeout_s=2.0,
+    restart_backoff_s=0.01,
+    max_restarts=100,
+)
+
+
+def ids(td) -> list[int]:
+    return [int(i) for i in td["env_index"]]
+
+
+def actions(values) -> TensorDict:
+    return TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)])
+
+
+def registered(pool) -> bool:
+    """Every worker is up and no restarted env still awaits its synthesized reply."""
+    slots = pool._ledger.slots
+    synth = any(p.synth for s in slots for p in s.in_flight)
+    return len(pool._broker.workers) == len(pool._worker_envs) and not synth
+
+
+class Checker:
+    """Follows each env's step count; a synthesized reply restarts it from 0."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.count = [0] * num_envs
+        self.synthesized = [0] * num_envs
+        self.awaited: dict[int, float] = {}
+
+    def check(self, pool, out) -> int:
+        restarted = set(pool.last_restarted_envs)
+        for row, env in enumerate(ids(out)):
+            obs = out["next", "observation"][row]
+            assert obs[0].item() == env, "misrouted"
+            action = self.awaited.pop(env)  # KeyError: an answer nobody asked for
+            if env in restarted:
+                self.synthesized[env] += 1
+                self.count[env] = 0
+                assert out["next", "truncated"][row].item() and out["next", "done"][row].item()
+                assert not out["next", "terminated"][row].item()
+                assert out["next", "reward"][row].item() == 0.0
+                assert obs[1].item() == 0.0  # the fresh reset observation
+            else:
+                self.count[env] += 1
+                assert obs[1].item() == self.count[env], "a step was lost or doubled"
+                assert abs(obs[2].item() - action) < 1e-6
+        return len(ids(out))
+
+
+def kill_a_worker(pool, rng) -> None:
+    identity = rng.choice(sorted(pool._resources.processes))
+    os.kill(pool._resources.processes[identity].pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_sigkill_storm_answers_every_request_exactly_once(envs_per_worker):
+    num_envs, steps, rng = 4, 2000, random.Random(envs_per_worker)
+    pool = ZMQAsyncEnvPool(
+        CountingEnv,
+        create_env_kwargs=[{"env_id": i} for i in range(num_envs)],
+        envs_per_worker=envs_per_worker,
+        config=QUICK,
+    )
+    try:
+        pool.reset()
+        checker, received, sent, kills = Checker(num_envs), 0, 0, 0
+        while received < steps:
+            idle = [e for e in range(num_envs) if e not in checker.awaited]
+            if idle and sent < steps:
+                values = [(sent + k + 1) / 10_000 for k in range(len(idle))]
+                pool.async_step_send(actions(values), env_index=idle)
+                checker.awaited.update(zip(idle, values, strict=True))
+                sent += len(idle)
+            # Kill only once the previous kill has been seen, so each one restarts something.
+            seen = sum(s["restarts"] for s in pool.stats().values()) // envs_per_worker
+            if received and received % 150 < 4 and registered(pool) and seen == kills:
+                kill_a_worker(pool, rng)
+                kills += 1
+            received += checker.check(pool, pool.async_step_recv(min_get=1, timeout=60))
+        while checker.awaited:
+            checker.check(pool, pool.async_step_recv(min_get=1, timeout=60))
+        # Step everyone until every restart has produced its truncation.
+        for _ in range(100):
+            settled = registered(pool)
+            pool.async_step_send(actions([0.0] * num_envs), env_index=list(range(num_envs)))
+            checker.awaited.update(dict.fromkeys(range(num_envs), 0.0))
+            checker.check(pool, pool.async_step_recv(min_get=num_envs, timeout=60))
+            if settled:
+                break
+        stats = pool.stats()
+        assert kills >= 5
+        assert [stats[e]["restarts"] for e in range(num_envs)] == checker.synthesized
+        assert sum(checker.synthesized) == kills * envs_per_worker
+        assert not checker.awaited
+    finally:
+        pool.close()
+
+
+def step_one(pool, value=0.5):
+    pool.async_step_send(actions([value]), env_index=[0])
+    return pool.async_step_recv(min_get=1, timeout=60)
+
+
+def test_env_that_exits_mid_step_is_answered_with_a_truncation():
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv,
+        create_env_kwargs=[{"fault": "exit", "fault_at": 3, "every_episode": False}],
+        config=QUICK,
+    )
+    try:
+        pool.reset()
+        assert [step_one(pool)["next", "observation"][0, 1].item() for _ in range(2)] == [1, 2]
+        out = step_one(pool)
+        assert pool.last_restarted_envs == [0]
+        assert out["next", "truncated"].item() and out["next", "observation"][0, 1] == 0
+        assert "exited with code 3" in pool.stats()[0]["last_restart_cause"]
+        assert step_one(pool)["next", "observation"][0, 1].item() == 1  # the new env steps on
+    finally:
+        pool.close()
+
+
+def test_hung_env_is_killed_after_step_timeout_and_restarted():
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, step_timeout_s=1.0)
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv,
+        create_env_kwargs=[{"fault": "hang", "fault_at": 2, "every_episode": False}],
+        config=config,
+    )
+    try:
+        pool.reset()
+        step_one(pool)
+        start = time.monotonic()
+        out = step_one(pool)
+        assert time.monotonic() - start >= config.step_timeout_s
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        assert pool.stats()[0]["last_restart_cause"].startswith("hung")
+    finally:
+        pool.close()
+
+
+def test_on_env_error_restart_logs_the_traceback_and_truncates(caplog):
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv,
+        create_env_kwargs=[{"fault": "raise", "fault_at": 2, "every_episode": False}],
+        on_env_error="restart",
+        config=QUICK,
+    )
+    try:
+        pool.reset()
+        step_one(pool)
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            out = step_one(pool)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        assert "FaultyEnv 0 failed at step 2" in caplog.text
+        assert "raised" in pool.stats()[0]["last_restart_cause"]
+    finally:
+        pool.close()
+
+
+def test_crash_loop_raises_naming_the_env_and_spares_the_others():
+    config = PoolConfig(
+        register_timeout_s=90.0, close_timeout_s=2.0, max_restarts=2, restart_backoff_s=0.01
+    )
+    pool = ZMQAsyncEnvPool(
+        [FaultyEnv, CountingEnv],
+        create_env_kwargs=[{"fault": "raise", "fault_at": 0}, {"env_id": 1}],  # every reset fails
+        on_env_error="restart",
+        config=config,
+    )
+    try:
+        pool.async_reset_send(env_index=[0, 1])
+        got, error = [], None
+        for _ in range(2):
+            try:
+                got += ids(pool.async_reset_recv(min_get=1, timeout=60))
+            except CrashLoopError as err:
+                error = err
+        assert got == [1] and error is not None
+        assert error.env_indices == [0]
+        assert "crash loop: 3 deaths" in str(error)
+        assert "FaultyEnv 0 failed at step 0" in str(error)  # the last traceback
+        assert pool.stats()[0]["lost"]
+        with pytest.raises(CrashLoopError):
+            pool.async_step_send(actions([0.1]), env_index=[0])
+        pool.async_step_send(actions([0.3]), env_index=[1])  # the healthy env carries on
+        assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+    finally:
+        pool.close()
+
+
+def test_a_trainer_pause_longer_than_the_heartbeat_timeout_restarts_nothing():
+    config = PoolConfig(
+        register_timeout_s=90.0, close_timeout_s=2.0, heartbeat_interval_s=0.1, heartbeat_liveness=3
+    )
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}], config=config)
+    try:
+        pool.reset()
+        step_one(pool)
+        time.sleep(10 * config.heartbeat_timeout_s)  # the scenario itself: a long training step
+        assert step_one(pool)["next", "observation"][0, 1].item() == 2
+        assert pool.stats()[0]["restarts"] == 0
+    finally:
+        pool.close()

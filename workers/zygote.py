@@ -1,0 +1,105 @@
+"""The fork server: pay for ``import torch, torchrl`` once, then fork each worker in milliseconds.
+
+A fresh interpreter needs seconds to import torchrl; a restart that waits for
+that keeps an env out of the run for as long. The pool starts this process
+once (``python -m workers.zygote PARENT_PID``); it imports the heavy modules,
+starts no thread and no ZeroMQ context (so forking is safe), and forks one
+child per request. It is local and trusted, like a worker's stdin.
+
+Pipes, all binary:
+
+- stdin (pool -> zygote): requests, each an 8-byte big-endian length and a
+  cloudpickled ``{"argv": [...], "payload": bytes, "affinity": cpus|None}``.
+  End of file: exit.
+- stdout (zygote -> pool): 12-byte reports ``!iii`` = (kind, pid, status):
+  ``SPAWNED`` after each fork, ``EXITED`` with the exit code (negative: the
+  signal) when a child dies, since only the zygote, its parent, can reap it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import sys
+import traceback
+
+REPORT = struct.Struct("!iii")
+SPAWNED, EXITED = 1, 2
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _reap(report_fd: int) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        os.write(report_fd, REPORT.pack(EXITED, pid, os.waitstatus_to_exitcode(status)))
+
+
+def _child(request: dict, report_fd: int) -> None:
+    """In the forked child: become a worker. Never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.close(report_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    code = 1
+    try:
+        if request.get("affinity") is not None:
+            os.sched_setaffinity(0, set(request["affinity"]))
+        from workers.cli import run
+
+        code = run(request["argv"], maker_payload=request["payload"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(report_fd: int) -> None:
+    import cloudpickle
+
+    signal.signal(signal.SIGCHLD, lambda *_: _reap(report_fd))
+    while True:
+        header = _read_exact(0, 8)
+        if not header:
+            return
+        request = cloudpickle.loads(_read_exact(0, int.from_bytes(header, "big")))
+        pid = os.fork()
+        if pid == 0:
+            _child(request, report_fd)
+        os.write(report_fd, REPORT.pack(SPAWNED, pid, 0))
+
+
+def main() -> None:
+    # The point of this process: import once, fork many times.
+    import tensordict  # noqa: F401
+    import torch  # noqa: F401
+    import torchrl.envs  # noqa: F401
+    import zmq  # noqa: F401
+
+    import workers.loop  # noqa: F401
+    from workers.cli import die_with_parent
+
+    die_with_parent(int(sys.argv[1]))
+    report_fd = os.dup(1)
+    os.dup2(2, 1)  # nothing else may write into the report pipe
+    serve(report_fd)
+
+
+if __name__ == "__main__":
+    main()

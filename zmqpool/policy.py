@@ -1,0 +1,88 @@
+"""Liveness and restart decisions, as plain objects that take a clock. No sockets, no processes.
+
+- :class:`RestartPolicy`: when a worker dies, restart it after a backoff, or
+  declare a crash loop (more than ``max_restarts`` deaths within
+  ``restart_window_s``, as jupyter_client's ``restart_limit``).
+- :class:`Liveness`: the Paranoid Pirate's counter: any message from a worker
+  counts as a beat; silence is only judged while the pool is listening, so a
+  trainer that spends minutes in a training step declares nobody dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartDecision:
+    """What to do about a death: restart at ``restart_at``, or give up (``crash_loop``)."""
+
+    restart_at: float
+    crash_loop: bool
+    deaths_in_window: int
+
+
+class RestartPolicy:
+    """Backoff and crash-loop limit per worker.
+
+    Example:
+        >>> policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1, backoff_max_s=1)
+        >>> [policy.on_death("w0", now=t).crash_loop for t in (0, 1, 2)]
+        [False, False, True]
+    """
+
+    def __init__(
+        self, max_restarts: int, window_s: float, backoff_s: float, backoff_max_s: float
+    ) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._deaths: dict[Hashable, deque[float]] = {}
+
+    def on_death(self, key: Hashable, now: float) -> RestartDecision:
+        deaths = self._deaths.setdefault(key, deque())
+        deaths.append(now)
+        while deaths and deaths[0] < now - self.window_s:
+            deaths.popleft()  # a worker that stayed up a whole window starts afresh
+        count = len(deaths)
+        delay = min(self.backoff_s * 2 ** (count - 1), self.backoff_max_s)
+        return RestartDecision(now + delay, count > self.max_restarts, count)
+
+
+class Liveness:
+    """Who has been silent too long, counting only time the pool spent listening.
+
+    Example:
+        >>> live = Liveness(timeout_s=3.0, pause_s=1.0)
+        >>> live.heard("w0", now=0.0); live.listening(now=0.5)
+        >>> live.listening(now=100.0)  # the trainer was away: nobody is judged on that
+        >>> live.silent(now=101.0)
+        []
+        >>> live.silent(now=104.0)
+        ['w0']
+    """
+
+    def __init__(self, timeout_s: float, pause_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.pause_s = pause_s
+        self._last_heard: dict[Hashable, float] = {}
+        self._last_listened: float | None = None
+
+    def heard(self, key: Hashable, now: float) -> None:
+        self._last_heard[key] = now
+
+    def forget(self, key: Hashable) -> None:
+        self._last_heard.pop(key, None)
+
+    def listening(self, now: float) -> None:
+        """The pool is polling again; after a pause, give every worker a fresh start."""
+        if self._last_listened is not None and now - self._last_listened > self.pause_s:
+            for key in self._last_heard:
+                self._last_heard[key] = max(self._last_heard[key], now)
+        self._last_listened = now
+
+    def silent(self, now: float) -> list[Hashable]:
+        return [k for k, t in self._last_heard.items() if now - t > self.timeout_s]

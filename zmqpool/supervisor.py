@@ -1,0 +1,195 @@
+"""Hot restart: notice a dead or hung worker, bring it back, and answer what it left unanswered.
+
+Deaths are seen three ways, under one :class:`~zmqpool.policy.RestartPolicy`:
+
+- the worker process exits (its pidfd, polled by the broker): at once;
+- a request runs past ``step_timeout_s``: the worker is killed;
+- the worker goes silent past the heartbeat timeout while the pool listens:
+  it is killed (a hung interpreter that no longer runs its heartbeat thread).
+
+With ``on_env_error="restart"`` an env that raises is handled like a crash.
+
+Requests in flight on a dead worker stay in the :class:`~zmqpool.state.Ledger`.
+When the new process registers, each is sent again with a new sequence number
+(the old worker's token is void, so its late replies are dropped); the first
+step-type request of a restarted env is sent as a reset instead, and its reply
+is marked ``synthesized``: the pool answers it as a truncation caused by the
+restart (:mod:`zmqpool.synthesis`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+from zmqpool.broker import Broker, Event
+from zmqpool.config import PoolConfig
+from zmqpool.errors import CrashLoopError, EnvError
+from zmqpool.policy import RestartPolicy
+from zmqpool.state import Ledger, Pending, Reply
+
+log = logging.getLogger("zmqpool")
+
+
+def describe_status(status: int | None) -> str:
+    if status is None:
+        return "exited (status unknown)"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with code {status}"
+
+
+class Supervisor:
+    """Keeps every local worker alive; see the module docstring.
+
+    Args:
+        broker, ledger, config: the pool's.
+        worker_envs: env indices of each worker, by worker index.
+        spawn: starts (again) the process of a worker index.
+        restart_on_env_error: treat an env exception as a crash.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        ledger: Ledger,
+        config: PoolConfig,
+        worker_envs: list[tuple[int, ...]],
+        spawn: Callable[[int], None],
+        restart_on_env_error: bool = False,
+    ) -> None:
+        self.broker = broker
+        self.ledger = ledger
+        self.config = config
+        self.worker_envs = worker_envs
+        self.spawn = spawn
+        self.policy = RestartPolicy(
+            config.max_restarts,
+            config.restart_window_s,
+            config.restart_backoff_s,
+            config.restart_backoff_max_s,
+        )
+        self._scheduled: dict[int, float] = {}  # worker index -> when to respawn
+        self._kill_cause: dict[int, tuple[str, str]] = {}  # why we killed it, its traceback
+        self._maker_traceback: dict[int, str] = {}
+        if restart_on_env_error:
+            broker.on_env_error = self._on_env_error
+
+    # ------------------------------------------------------------ events
+
+    def on_event(self, event: Event) -> None:
+        worker = self._index(event.identity)
+        if worker is None:
+            return
+        if event.kind == "exited":
+            self._on_exit(worker, event.detail.get("status"))
+        elif event.kind == "failed":
+            self._maker_traceback[worker] = str(event.detail.get("tb", ""))
+            log.warning("env maker failed in a restart of worker %d: %s", worker, event.detail)
+        elif event.kind == "registered":
+            self._on_registered(worker)
+
+    def _index(self, identity: bytes) -> int | None:
+        text = identity.decode(errors="replace")
+        if text.startswith("w") and text[1:].isdigit() and int(text[1:]) < len(self.worker_envs):
+            return int(text[1:])
+        return None
+
+    def _on_exit(self, worker: int, status: int | None) -> None:
+        cause, traceback = self._kill_cause.pop(worker, (describe_status(status), ""))
+        traceback = traceback or self._maker_traceback.pop(worker, "")
+        envs = self.worker_envs[worker]
+        self.broker.forget_worker(f"w{worker}".encode())
+        for env in envs:
+            slot = self.ledger.slots[env]
+            slot.worker = None
+            slot.restarts += 1
+            slot.last_restart_cause = cause
+        decision = self.policy.on_death(worker, time.monotonic())
+        if decision.crash_loop:
+            self._give_up(envs, cause, traceback, decision.deaths_in_window)
+            return
+        log.warning("restarting the worker of envs %s: %s", list(envs), cause)
+        self._scheduled[worker] = decision.restart_at
+
+    def _give_up(self, envs: tuple[int, ...], cause: str, traceback: str, deaths: int) -> None:
+        message = (
+            f"crash loop: {deaths} deaths within {self.config.restart_window_s} s "
+            f"(max_restarts={self.config.max_restarts}); last: {cause}"
+        )
+        if traceback:
+            message += f"\n--- last traceback ---\n{traceback.rstrip()}"
+        log.error("envs %s: %s", list(envs), message)
+        error = CrashLoopError(list(envs), message)
+        for env in envs:
+            slot = self.ledger.slots[env]
+            slot.lost = error
+            while slot.in_flight:
+                self.ledger.deliver(Reply(env, slot.in_flight.popleft(), error=error))
+
+    def _on_registered(self, worker: int) -> None:
+        """A (re)started worker is in: its envs are fresh; resend what is in flight."""
+        for env in self.worker_envs[worker]:
+            slot = self.ledger.slots[env]
+            if slot.restarts == 0:
+                continue
+            slot.fresh = True
+            for pending in list(slot.in_flight):
+                self.ledger.restamp(env, pending)
+                self.broker.dispatch(env, pending)
+
+    def _on_env_error(self, env: int, pending: Pending, error: EnvError) -> bool:
+        """``on_env_error="restart"``: requeue the request and kill the worker."""
+        self.ledger.slots[env].in_flight.appendleft(pending)
+        log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
+        worker = self._worker_of(env)
+        self._kill(
+            worker, f"env {env} raised: {str(error).splitlines()[0]}", error.remote_traceback
+        )
+        return True
+
+    def _worker_of(self, env: int) -> int:
+        return next(w for w, envs in enumerate(self.worker_envs) if env in envs)
+
+    # ------------------------------------------------------------ timers
+
+    def next_wakeup(self) -> float:
+        return min(self._scheduled.values(), default=float("inf"))
+
+    def tick(self, now: float, judge: bool = True) -> None:
+        """Respawn what is due; with ``judge`` (all input read), act on lateness and silence."""
+        for worker, when in list(self._scheduled.items()):
+            if when <= now:
+                del self._scheduled[worker]
+                self.spawn(worker)
+        if not judge:
+            return
+        self._check_deadlines(now)
+        for identity in self.broker.liveness.silent(now):
+            index = self._index(identity) if isinstance(identity, bytes) else None
+            if index is not None and index not in self._kill_cause:
+                timeout = self.config.heartbeat_timeout_s
+                self._kill(index, f"silent for more than {timeout} s (no heartbeat)", "")
+
+    def _check_deadlines(self, now: float) -> None:
+        timeout = self.config.step_timeout_s
+        if timeout is None:
+            return
+        for slot in self.ledger.slots:
+            if slot.worker is None or not slot.in_flight:
+                continue
+            pending = slot.in_flight[0]
+            if now - pending.sent_at > timeout:
+                worker = self._worker_of(slot.index)
+                if worker not in self._kill_cause:
+                    cause = f"hung: no reply to {pending.command.name} within {timeout} s"
+                    self._kill(worker, cause, "")
+
+    def _kill(self, worker: int, cause: str, traceback: str) -> None:
+        self._kill_cause[worker] = (cause, traceback)
+        self.broker.kill(f"w{worker}".encode())
