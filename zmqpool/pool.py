@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDictBase
-from tensordict.utils import expand_as_right
+from tensordict import TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase
 
+from zmqpool.assembly import Assembler
 from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import ipc_endpoints, make_private_dir, remove_private_dir
@@ -28,8 +28,7 @@ from zmqpool.specs import spec_from_data
 from zmqpool.state import Channel, Kind, Ledger, Reply
 from zmqpool.stats import stats_table
 from zmqpool.supervisor import Supervisor
-from zmqpool.synthesis import next_root_after_restart, truncated_next
-from zmqpool.wire import Command, DecodedPart, Header, stack_parts
+from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
 
@@ -175,6 +174,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             spec_from_data(self._registrations[i]["spec"]) for i in range(self.num_envs)
         ]
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
+        self._assembler = Assembler(self.stack, self._stack_func, self._child_specs)
         specs: Any = torch.stack(list(self._child_specs))
         return specs["output_spec"], specs["input_spec"]
 
@@ -282,10 +282,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
         self._check_idle(Kind.STEP)
-        self._set_env_index(tensordict, list(range(tensordict.shape[0])))
+        self._assembler.set_env_index(tensordict, list(range(tensordict.shape[0])))
         self.async_step_send(tensordict)
         replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
-        tensordict.set("next", self._stack([self._next_of(r) for r in replies]))
+        tensordict.set(
+            "next", self._assembler.stack([self._assembler.next_part(r) for r in replies])
+        )
         return tensordict
 
     def step_and_maybe_reset(
@@ -299,12 +301,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         self._check_idle(Kind.STEP_RESET)
         idx = list(range(tensordict.shape[0]))
-        self._set_env_index(tensordict, idx)
+        self._assembler.set_env_index(tensordict, idx)
         self.async_step_and_maybe_reset_send(tensordict)
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
-        tensordict.set("next", self._stack([self._next_of(r) for r in replies]))
-        next_root = self._stack([self._root_of(r) for r in replies])
-        self._set_env_index(next_root, idx)
+        tensordict.set(
+            "next", self._assembler.stack([self._assembler.next_part(r) for r in replies])
+        )
+        next_root = self._assembler.stack([self._assembler.root_part(r) for r in replies])
+        self._assembler.set_env_index(next_root, idx)
         return tensordict, next_root
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
@@ -343,7 +347,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"queried: {env_idx}."
                 )
         for env, local in zip(env_idx, local_tds, strict=True):
-            payload = local.exclude(self._env_idx_key, "next")
+            payload = self._assembler.payload(local)
             self._broker.send(env, command, payload, per_env, inputs=local)
         if not per_env:
             self._busy.update(env_idx)
@@ -404,13 +408,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def async_step_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
         replies = self._recv(Kind.STEP, min_get, env_index, max_get, timeout)
-        return self._assemble(replies)[0]
+        return self._assembler.assemble(replies)[0]
 
     _async_private_step_recv = async_step_recv
 
     def async_reset_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
         replies = self._recv(Kind.RESET, min_get, env_index, max_get, timeout)
-        return self._assemble(replies)[0]
+        return self._assembler.assemble(replies)[0]
 
     _async_private_reset_recv = async_reset_recv
 
@@ -418,7 +422,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self, min_get=None, env_index=None, *, max_get=None, timeout=None
     ):
         replies = self._recv(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
-        result, next_root = self._assemble(replies)
+        result, next_root = self._assembler.assemble(replies)
         return result, next_root
 
     def _recv(
@@ -510,60 +514,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         raise reply.error
 
     # ------------------------------------------------------------ assembling results
-
-    def _assemble(self, replies: list[Reply]) -> tuple[TensorDictBase, TensorDictBase | None]:
-        command = replies[0].pending.command
-        if any(r.pending.command != command for r in replies):
-            raise RuntimeError("cannot stack replies to different commands in one recv")
-        idx = [r.env for r in replies]
-        if command in _STEP_COMMANDS:
-            root = self._stack_tds([r.pending.inputs for r in replies])
-            root = root.exclude(self._env_idx_key)
-            root.set("next", self._stack([self._next_of(r) for r in replies]))
-        else:
-            root = self._stack([self._next_of(r) for r in replies])
-        self._set_env_index(root, idx)
-        if command != Command.STEP_AND_MAYBE_RESET:
-            return root, None
-        next_root = self._stack([self._root_of(r) for r in replies])
-        self._set_env_index(next_root, idx)
-        return root, next_root
-
-    def _next_of(self, reply: Reply) -> DecodedPart | TensorDictBase:
-        """The reply's first part; for a restarted env, the truncation built from its reset."""
-        if not reply.synthesized:
-            return reply.parts[0]
-        reset = reply.parts[0].to_tensordict()
-        return truncated_next(self._child_specs[reply.env], reset)
-
-    def _root_of(self, reply: Reply) -> DecodedPart | TensorDictBase:
-        """step_and_maybe_reset's next root; for a restarted env, its reset state."""
-        if not reply.synthesized:
-            return reply.parts[1]
-        assert reply.pending.inputs is not None
-        result = reply.pending.inputs.exclude(self._env_idx_key, "next")
-        result.set("next", self._next_of(reply))
-        return next_root_after_restart(result, reply.parts[0].to_tensordict())
-
-    def _stack(self, parts: list[Any]) -> TensorDictBase:
-        layout = parts[0].layout if isinstance(parts[0], DecodedPart) else None
-        same = all(isinstance(p, DecodedPart) and p.layout is layout for p in parts)
-        if same and self.stack == "dense":
-            return stack_parts(parts)
-        tds = [p.to_tensordict() if isinstance(p, DecodedPart) else p for p in parts]
-        return self._stack_tds(tds)
-
-    def _stack_tds(self, tds: list[Any]) -> TensorDictBase:
-        result = self._stack_func(tds)
-        if isinstance(result, LazyStackedTensorDict):
-            result = result.clone()  # do not keep the user's input tensordicts alive
-        return result
-
-    def _set_env_index(self, td: TensorDictBase, idx: list[int]) -> None:
-        indices = NonTensorStack(*idx)
-        if indices.shape != td.shape:
-            indices = expand_as_right(indices, td)
-        td.set(self._env_idx_key, indices)
 
     # ------------------------------------------------------------ seeding, closing
 
