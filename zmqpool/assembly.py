@@ -52,15 +52,21 @@ class Assembler:
         idx = [r.env for r in replies]
         if command in _STEP_COMMANDS:
             root = self.stack_tds([r.pending.inputs for r in replies]).exclude(ENV_INDEX)
-            root.set("next", self.stack([self.next_part(r) for r in replies]))
+            root.set("next", self.stack_next(replies))
         else:
-            root = self.stack([self.next_part(r) for r in replies])
+            root = self.stack_next(replies)
         self.set_env_index(root, idx)
         if command != Command.STEP_AND_MAYBE_RESET:
             return root, None
-        next_root = self.stack([self.root_part(r) for r in replies])
+        next_root = self.stack_roots(replies)
         self.set_env_index(next_root, idx)
         return root, next_root
+
+    def stack_next(self, replies: list[Reply]) -> TensorDictBase:
+        return self.stack([self.next_part(r) for r in replies])
+
+    def stack_roots(self, replies: list[Reply]) -> TensorDictBase:
+        return self.stack([self.root_part(r) for r in replies])
 
     def next_part(self, reply: Reply) -> DecodedPart | TensorDictBase:
         """The reply's first part; for a restarted env, the truncation built from its reset."""

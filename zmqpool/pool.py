@@ -285,9 +285,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(tensordict, list(range(tensordict.shape[0])))
         self.async_step_send(tensordict)
         replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
-        tensordict.set(
-            "next", self._assembler.stack([self._assembler.next_part(r) for r in replies])
-        )
+        tensordict.set("next", self._assembler.stack_next(replies))
         return tensordict
 
     def step_and_maybe_reset(
@@ -304,10 +302,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(tensordict, idx)
         self.async_step_and_maybe_reset_send(tensordict)
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
-        tensordict.set(
-            "next", self._assembler.stack([self._assembler.next_part(r) for r in replies])
-        )
-        next_root = self._assembler.stack([self._assembler.root_part(r) for r in replies])
+        tensordict.set("next", self._assembler.stack_next(replies))
+        next_root = self._assembler.stack_roots(replies)
         self._assembler.set_env_index(next_root, idx)
         return tensordict, next_root
 
