@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_remote_host
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool.security import write_keys
 from zmqpool.testing import CountingEnv
 
 faulthandler.enable()
@@ -25,16 +30,93 @@ def counting_kwargs(n: int = NUM_ENVS, **extra) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def pool():
-    """Four CountingEnvs, two per worker process, episodes of 5 steps."""
-    p = ZMQAsyncEnvPool(
-        CountingEnv,
-        create_env_kwargs=counting_kwargs(max_steps=5),
-        envs_per_worker=2,
-        config=FAST,
+def remote_host():
+    """Another "machine": a network namespace behind a veth pair (or loopback, saying why)."""
+    host = make_remote_host()
+    if host.namespace is None:
+        print(f"\nremote-worker tests use 127.0.0.1: {host.why_not}")
+    yield host
+    remove_remote_host(host)
+
+
+@pytest.fixture(scope="session")
+def key_dir(tmp_path_factory):
+    """CURVE keys: workers 0 and 1 authorized; worker 2's key is not on the allow-list."""
+    root = tmp_path_factory.mktemp("keys")
+    write_keys(root, 3)
+    (root / "authorized" / "worker-2.key").unlink()
+    return root
+
+
+def start_remote_worker(
+    host: RemoteHost,
+    port: int,
+    keys,
+    *,
+    key: int = 0,
+    kwargs: object = None,
+    num_envs: int = 1,
+    extra: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """``python -m workers`` inside the remote host, connecting to the pool's TCP port."""
+    argv = [sys.executable, "-m", "workers", "--connect", f"tcp://{host.pool_ip}:{port}"]
+    argv += ["--env", "zmqpool.testing:CountingEnv", "--num-envs", str(num_envs)]
+    argv += ["--kwargs", json.dumps(kwargs if kwargs is not None else {})]
+    argv += ["--server-key", str(keys / "server.key")]
+    argv += ["--client-key", str(keys / "workers" / f"worker-{key}.key_secret"), *extra]
+    return subprocess.Popen(host.command(argv), stderr=subprocess.PIPE, text=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session", params=["local", "mixed"])
+def pool(request):
+    """Four CountingEnvs with episodes of 5 steps whose env_id is their index.
+
+    ``local``: two per local worker process. ``mixed``: envs 0-1 local, envs
+    2-3 on the remote host over TCP with CURVE, one process each.
+    """
+    if request.param == "local":
+        p = ZMQAsyncEnvPool(
+            CountingEnv,
+            create_env_kwargs=counting_kwargs(max_steps=5),
+            envs_per_worker=2,
+            config=FAST,
+        )
+        yield p
+        p.close()
+        return
+    yield from _mixed_pool(
+        request.getfixturevalue("remote_host"), request.getfixturevalue("key_dir")
     )
-    yield p
-    p.close()
+
+
+def _mixed_pool(host: RemoteHost, keys):
+    port = free_port_base(host.pool_ip)
+    remote_kwargs = [{"env_id": 2, "max_steps": 5}, {"env_id": 3, "max_steps": 5}]
+    worker = start_remote_worker(
+        host, port, keys, kwargs=remote_kwargs, num_envs=2, extra=("--slots", "2,3")
+    )
+    try:
+        p = ZMQAsyncEnvPool(
+            CountingEnv,
+            create_env_kwargs=counting_kwargs(2, max_steps=5),
+            remote_envs=2,
+            bind=f"tcp://{host.pool_ip}:{port}",
+            curve_keys=keys,
+            config=FAST,
+        )
+        yield p
+        p.close()
+    finally:
+        stop(worker)
 
 
 @pytest.fixture

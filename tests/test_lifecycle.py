@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,10 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict
 
+import zmqpool.pool
 from tests.conftest import FAST, pids_alive
 from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.endpoints import make_private_dir
 from zmqpool.testing import CountingEnv, FaultyEnv
 
 
@@ -22,18 +25,20 @@ def worker_pids(pool) -> list[int]:
     return [p.pid for p in pool._resources.processes.values()]
 
 
-def private_dirs() -> set[str]:
-    return set(glob.glob("/tmp/zmqp-*"))
+def test_env_maker_error_names_the_env_and_leaves_nothing_behind(monkeypatch):
+    made: list[str] = []
 
+    def recording_make_private_dir() -> str:
+        made.append(make_private_dir())
+        return made[-1]
 
-def test_env_maker_error_names_the_env_and_leaves_nothing_behind():
-    before = private_dirs()
+    monkeypatch.setattr(zmqpool.pool, "make_private_dir", recording_make_private_dir)
     makers = [CountingEnv, functools.partial(FaultyEnv, in_init=True)]
     with pytest.raises(EnvMakerError) as info:
         ZMQAsyncEnvPool(makers, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=FAST)
     assert info.value.env_index == 1
     assert "FaultyEnv 1 refuses to be built" in info.value.remote_traceback
-    assert private_dirs() <= before
+    assert made and not any(os.path.exists(d) for d in made)
 
 
 def test_lambdas_closures_and_heterogeneous_envs_with_a_lazy_stack():

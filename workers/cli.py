@@ -12,16 +12,17 @@ Two ways to say which envs to host:
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import json
 import logging
 import os
-import signal
 import sys
 
 from workers.hosting import EnvHost, EnvRecipe, recipe_from_name
 from workers.loop import Worker
+from workers.supervise import REFUSED, Supervisor, die_with_parent
 from zmqpool.errors import EnvMakerError, RegistrationError
+from zmqpool.security import ClientKeys
 
 log = logging.getLogger("workers")
 
@@ -34,27 +35,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect", required=True, help="the pool's ROUTER endpoint")
     parser.add_argument("--identity", help="routing identity (default: host-pid)")
     parser.add_argument("--env", help="importable env maker, package.module:callable")
-    parser.add_argument("--kwargs", default="{}", help="JSON keyword arguments for --env")
-    parser.add_argument("--num-envs", type=int, default=1, help="envs to host with --env")
+    parser.add_argument(
+        "--kwargs",
+        default="{}",
+        help="JSON keyword arguments for --env: an object, or a list of one object per env",
+    )
+    parser.add_argument(
+        "--num-envs",
+        type=int,
+        default=1,
+        help="envs to host with --env: one process each, restarted when it dies",
+    )
+    parser.add_argument(
+        "--single-process",
+        action="store_true",
+        help="host the --num-envs envs in this one process, without a supervisor",
+    )
+    parser.add_argument(
+        "--slots", help="comma-separated pool env indices to ask for (default: any free slots)"
+    )
+    parser.add_argument("--server-key", help="the pool's CURVE public key file (server.key)")
+    parser.add_argument("--client-key", help="this worker's CURVE secret key file (.key_secret)")
     parser.add_argument("--env-indices", help="comma-separated pool indices (local workers)")
     parser.add_argument(
         "--maker-stdin", action="store_true", help="read cloudpickled makers from stdin"
     )
     parser.add_argument("--parent-pid", type=int, help="exit when this process dies")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
-    parser.add_argument("--register-timeout", type=float, default=120.0, help="seconds")
+    parser.add_argument(
+        "--register-timeout",
+        type=float,
+        help="seconds to wait for the pool (default: 120 for local workers, forever for --env)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser
-
-
-def die_with_parent(parent_pid: int | None) -> None:
-    """Ask Linux to SIGKILL us when the pool's process dies, so no worker outlives it."""
-    if parent_pid is None or not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
@@ -69,15 +83,13 @@ def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
 def _recipes_from_args(args: argparse.Namespace) -> tuple[list[int], list[EnvRecipe]]:
     if not args.env:
         raise SystemExit("python -m workers: give --env package.module:callable or --maker-stdin")
-    kwargs = json.loads(args.kwargs)
-    if not isinstance(kwargs, dict):
-        raise SystemExit("python -m workers: --kwargs must be a JSON object")
     indices = (
         [int(i) for i in args.env_indices.split(",")]
         if args.env_indices
         else list(range(args.num_envs))
     )
-    return indices, [recipe_from_name(args.env, kwargs) for _ in indices]
+    args.num_envs = len(indices)
+    return indices, [recipe_from_name(args.env, kw) for kw in _kwargs_list(args)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,14 +107,76 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
         indices, recipes = _recipes_from_payload(data)
     else:
         indices, recipes = _recipes_from_args(args)
+    remote = not args.env_indices and not args.maker_stdin
+    keys = _client_keys(args)
+    if remote and not args.single_process:
+        run_child = functools.partial(_serve_remote_child, args, keys)
+        return Supervisor(args.num_envs, run_child).run()
     identity = (args.identity or f"{os.uname().nodename}-{os.getpid()}").encode()
+    return serve(args, identity, indices, recipes, remote, keys, _slots(args) if remote else None)
+
+
+def _client_keys(args: argparse.Namespace) -> ClientKeys | None:
+    if bool(args.server_key) != bool(args.client_key):
+        raise SystemExit("python -m workers: give both --server-key and --client-key, or neither")
+    if not args.server_key:
+        return None
+    return ClientKeys.from_files(args.server_key, args.client_key)
+
+
+def _serve_remote_child(
+    args: argparse.Namespace, keys: ClientKeys | None, k: int, identity: bytes
+) -> int:
+    kwargs = _kwargs_list(args)[k]
+    slots = _slots(args)
+    mine = None if slots is None else [slots[k]]
+    return serve(args, identity, [0], [recipe_from_name(args.env, kwargs)], True, keys, mine)
+
+
+def _slots(args: argparse.Namespace) -> list[int] | None:
+    if not args.slots:
+        return None
+    slots = [int(i) for i in args.slots.split(",")]
+    if len(slots) != args.num_envs:
+        raise SystemExit(f"python -m workers: --slots must name {args.num_envs} env indices")
+    return slots
+
+
+def _kwargs_list(args: argparse.Namespace) -> list[dict]:
+    """``--kwargs`` as one dict per env."""
+    kwargs = json.loads(args.kwargs)
+    if isinstance(kwargs, dict):
+        return [kwargs] * args.num_envs
+    one_per_env = isinstance(kwargs, list) and len(kwargs) == args.num_envs
+    if one_per_env and all(isinstance(k, dict) for k in kwargs):
+        return kwargs
+    raise SystemExit(
+        f"python -m workers: --kwargs must be a JSON object or a list of {args.num_envs} objects"
+    )
+
+
+def serve(
+    args: argparse.Namespace,
+    identity: bytes,
+    indices: list[int],
+    recipes: list[EnvRecipe],
+    remote: bool,
+    keys: ClientKeys | None,
+    slots: list[int] | None = None,
+) -> int:
+    """Build the envs, register, answer commands; the exit code says how it ended."""
+    timeout = args.register_timeout
+    if timeout is None:
+        timeout = None if remote else 120.0
     worker = Worker(
         args.connect,
         identity,
         EnvHost({}),
         heartbeat_interval_s=args.heartbeat_interval,
-        register_timeout_s=args.register_timeout,
-        remote_slots=not args.env_indices and not args.maker_stdin,
+        register_timeout_s=timeout,
+        remote_slots=remote,
+        keys=keys,
+        slots=slots,
     )
     try:
         worker.host = EnvHost.build(indices, recipes)
@@ -115,7 +189,7 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
         worker.serve()
     except RegistrationError as err:
         log.error("%s", err)
-        return 2
+        return REFUSED
     finally:
         worker.close()
     return 0

@@ -26,7 +26,31 @@ Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
 
 def _step(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
     # The pool keeps the input it sent; only the new "next" subtree comes back.
-    return [env.step(_need(td)).get("next")]
+    return [step_next(env, _need(td))]
+
+
+def step_next(env: EnvBase, td: TensorDictBase) -> TensorDictBase:
+    """``env.step(td)["next"]``, without the bookkeeping the pool does not need.
+
+    For an input without ``"_step"`` (partial steps) or ``"next"`` (a preset
+    to merge), ``EnvBase.step`` is its shape check, ``_step`` and
+    ``_step_proc_data`` (reward shapes, missing done keys, type checks), then
+    setting ``"next"`` on the input; the pool only wants that ``"next"``, and
+    skipping the rest saves ~10 us of a cheap env's ~80 us step. An env that
+    overrides ``step`` gets its own ``step``.
+    """
+    if type(env).step is not EnvBase.step or _has_step_extras(td):
+        return env.step(td).get("next")
+    env._assert_tensordict_shape(td)
+    out = env._step_proc_data(env._step(td))
+    if out.batch_size != td.batch_size:
+        return td.set("next", out).get("next")  # the checks (and errors) of EnvBase.step
+    return out
+
+
+def _has_step_extras(td: TensorDictBase) -> bool:
+    keys = td.keys()
+    return "_step" in keys or "next" in keys
 
 
 def _step_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:

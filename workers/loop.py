@@ -4,10 +4,17 @@ The worker's DEALER connects to the pool's ROUTER (registration, commands,
 heartbeats); its PUSH connects to the pool's results PULL. One command in,
 one reply out, in order, for each env. The loop only moves frames: what a
 command does to an env is :mod:`workers.hosting`'s business.
+
+A remote worker also listens to the pool's heartbeats (a SUB socket, in the
+heartbeat thread). When they stop, or come from a new pool (another epoch: a
+restarted trainer), it registers again, retrying with backoff: ZeroMQ
+reconnects the TCP connections by itself, so a restarted trainer at the same
+address picks its workers up again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,6 +27,7 @@ import zmq
 
 from workers.hosting import EnvHost
 from zmqpool.errors import EnvMakerError, ProtocolError, RegistrationError
+from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
 from zmqpool.wire import (
     Command,
@@ -40,6 +48,11 @@ class Worker:
         identity: this worker's routing identity (stable across restarts).
         host: the envs, keyed by the indices this worker asks for.
         heartbeat_interval_s: how often to tell the pool we are alive.
+        register_timeout_s: how long to wait for the pool (``None``: forever).
+        remote_slots: ask the pool for free remote slots, and rejoin it when
+            it goes away or restarts.
+        keys: CURVE keys, for a pool bound on TCP with ``curve_keys``.
+        slots: the pool's env indices to ask for (remote workers; default: any free).
     """
 
     def __init__(
@@ -48,8 +61,10 @@ class Worker:
         identity: bytes,
         host: EnvHost,
         heartbeat_interval_s: float = 1.0,
-        register_timeout_s: float = 60.0,
+        register_timeout_s: float | None = 60.0,
         remote_slots: bool = False,
+        keys: ClientKeys | None = None,
+        slots: list[int] | None = None,
     ) -> None:
         self.router = router
         self.identity = identity
@@ -57,8 +72,17 @@ class Worker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.register_timeout_s = register_timeout_s
         self.remote_slots = remote_slots
+        self.keys = keys
+        self.slots = slots
+        self.incarnation = os.urandom(8)  # tells the pool this process is new
+        self.epoch: bytes | None = None  # the pool we are registered with
+        self.beats: str | None = None
+        self.pool_interval_s = heartbeat_interval_s  # how often the pool beats (from WELCOME)
+        self.pool_lost = threading.Event()
         self.context = zmq.Context()
         self.dealer = self._socket(zmq.DEALER, identity)
+        if remote_slots:
+            self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # no REGISTER queued for a pool not there
         self.dealer.connect(router)
         self.push: zmq.Socket | None = None
         self.token = b""
@@ -72,31 +96,53 @@ class Worker:
         sock.linger = 0
         if identity is not None:
             sock.identity = identity
+        if self.keys is not None:
+            make_client(sock, self.keys)
         return sock
 
     # ------------------------------------------------------------ registration
 
     def register(self) -> None:
-        """Announce our envs and specs; wait for the pool's WELCOME."""
+        """Send REGISTER until the pool answers (with backoff), then take its WELCOME."""
         reg = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "envs": sorted(self.host.envs),
             "remote": self.remote_slots,
+            "incarnation": self.incarnation,
+            "slots": self.slots,
             "specs": [spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)],
         }
-        self.dealer.send(Header(Command.REGISTER, body={"reg": reg}).encode())
-        header = self._await_registration_reply()
+        message = Header(Command.REGISTER, body={"reg": reg}).encode()
+        header = self._register_until_answered(message)
         if header.command == Command.REFUSE:
             reason = (header.body or {}).get("err", "no reason given")
-            raise RegistrationError(f"the pool refused this worker: {reason}")
+            raise RegistrationError(f"the pool at {self.router} refused this worker: {reason}")
         self._accept_welcome((header.body or {}).get("reg"))
 
-    def _await_registration_reply(self) -> Header:
-        deadline = time.monotonic() + self.register_timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not self.dealer.poll(int(remaining * 1000)):
-                break
+    def _register_until_answered(self, message: bytes) -> Header:
+        timeout = self.register_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait_s = 0.2
+        while deadline is None or time.monotonic() < deadline:
+            with contextlib.suppress(zmq.Again):  # not connected yet (IMMEDIATE): retry
+                self.dealer.send(message, zmq.NOBLOCK)
+            header = self._await_registration_reply(wait_s, deadline)
+            if header is not None:
+                return header
+            wait_s = min(2 * wait_s, 5.0)
+        raise RegistrationError(
+            f"no answer from the pool at {self.router} within {timeout} s (is it up? "
+            "for TCP with CURVE: is this worker's key in the pool's authorized/ folder?)"
+        )
+
+    def _await_registration_reply(self, wait_s: float, deadline: float | None) -> Header | None:
+        until = time.monotonic() + wait_s
+        if deadline is not None:
+            until = min(until, deadline)
+        while (remaining := until - time.monotonic()) > 0:
+            if not self.dealer.poll(int(remaining * 1000) + 1):
+                return None
             frames = self.dealer.recv_multipart()
             try:
                 header = Header.decode(frames[0])
@@ -105,9 +151,7 @@ class Worker:
                 continue
             if header.command in (Command.WELCOME, Command.REFUSE):
                 return header
-        raise RegistrationError(
-            f"no answer from the pool at {self.router} within {self.register_timeout_s} s"
-        )
+        return None
 
     def _accept_welcome(self, reg: Any) -> None:
         if not isinstance(reg, dict) or not isinstance(reg.get("token"), bytes):
@@ -121,9 +165,25 @@ class Worker:
         hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
         self.host.envs = dict(zip(envs, hosted, strict=True))
         self.token = reg["token"]
+        if self.push is not None:
+            self.push.close()
         self.push = self._socket(zmq.PUSH)
-        self.push.connect(results)
+        self.push.connect(reachable(results, self.router))
+        beats = reg.get("beats")
+        self.beats = reachable(beats, self.router) if isinstance(beats, str) else None
+        self.epoch = reg.get("epoch") if isinstance(reg.get("epoch"), bytes) else None
+        interval = reg.get("heartbeat_interval_s")
+        if isinstance(interval, (int, float)) and 0 < interval < 3600:
+            self.pool_interval_s = float(interval)
+        self.pool_lost.clear()
         log.info("registered envs %s with the pool at %s", envs, self.router)
+
+    def _rejoin(self) -> None:
+        """The pool went away or was replaced: forget its layouts, register again."""
+        log.warning("the pool at %s went away or restarted; registering again", self.router)
+        self.encoder.forget()
+        self.decoder = Decoder()
+        self.register()
 
     # ------------------------------------------------------------ serving
 
@@ -133,6 +193,8 @@ class Worker:
         heartbeat.start()
         try:
             while not self._stop.is_set():
+                if self.pool_lost.is_set() and self.remote_slots:
+                    self._rejoin()
                 if not self.dealer.poll(int(self.heartbeat_interval_s * 1000)):
                     continue
                 frames = self.dealer.recv_multipart(copy=True)
@@ -151,7 +213,7 @@ class Worker:
             return True
         if header.command == Command.CLOSE:
             return False
-        if header.command != Command.PING:
+        if header.command not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
             self._execute(header, frames[1:])
         return True
 
@@ -182,18 +244,22 @@ class Worker:
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:
-        # Its own socket: zmq sockets are not thread-safe, and a long env step
+        # Its own sockets: zmq sockets are not thread-safe, and a long env step
         # in the main thread must not silence the heartbeats.
-        sock = self._socket(zmq.DEALER, self.identity + b"!hb")
-        sock.connect(self.router)
-        beat = Header(Command.HEARTBEAT).encode()
+        beat = self._socket(zmq.DEALER, self.identity + b"!hb")
+        beat.connect(self.router)
+        message = Header(Command.HEARTBEAT).encode()
+        watch = _PoolWatch(self)
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
-                sock.send(beat, zmq.NOBLOCK)
+                with contextlib.suppress(zmq.Again):  # a full queue: the pool is away
+                    beat.send(message, zmq.NOBLOCK)
+                watch.check()
         except zmq.ZMQError:
-            pass
+            pass  # the context is being destroyed: the worker is closing
         finally:
-            sock.close()
+            beat.close()
+            watch.close()
 
     def report_maker_failure(self, err: EnvMakerError) -> None:
         body = {"err": str(err).split("\n", 1)[0], "tb": err.remote_traceback}
@@ -205,3 +271,61 @@ class Worker:
         self._stop.set()
         self.host.close()
         self.context.destroy(linger=0)
+
+
+#: Pool heartbeats missed before a remote worker thinks its pool is gone.
+POOL_LIVENESS = 10
+
+
+class _PoolWatch:
+    """In the heartbeat thread: is our pool still beating, and is it still the same pool?"""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.sub: zmq.Socket | None = None
+        self.endpoint: str | None = None
+        self.last_beat = time.monotonic()
+
+    def check(self) -> None:
+        worker = self.worker
+        if worker.beats != self.endpoint:
+            self._subscribe(worker.beats)
+        if self.sub is None or worker.pool_lost.is_set():
+            return
+        while self.sub.poll(0):
+            header = Header.decode(self.sub.recv())
+            epoch = (header.body or {}).get("epoch")
+            if epoch != worker.epoch:
+                worker.pool_lost.set()  # a new pool at the same address: a restarted trainer
+                return
+            self.last_beat = time.monotonic()
+        if time.monotonic() - self.last_beat > POOL_LIVENESS * worker.pool_interval_s:
+            worker.pool_lost.set()
+
+    def _subscribe(self, endpoint: str | None) -> None:
+        self.close()
+        self.endpoint, self.last_beat = endpoint, time.monotonic()
+        if endpoint is not None:
+            self.sub = self.worker._socket(zmq.SUB)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.sub.connect(endpoint)
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
+
+
+def reachable(endpoint: str, router: str) -> str:
+    """An endpoint the pool advertised, with a wildcard host replaced by the one we reached it at.
+
+    Example:
+        >>> reachable("tcp://0.0.0.0:5556", "tcp://10.0.0.1:5555")
+        'tcp://10.0.0.1:5556'
+    """
+    if not endpoint.startswith("tcp://") or not router.startswith("tcp://"):
+        return endpoint
+    host, port = endpoint[6:].rsplit(":", 1)
+    if host in ("0.0.0.0", "*", "::", "[::]"):
+        host = router[6:].rsplit(":", 1)[0]
+    return f"tcp://{host}:{port}"

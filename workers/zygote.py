@@ -93,12 +93,13 @@ def main() -> None:
     import zmq  # noqa: F401
 
     import workers.loop  # noqa: F401
-    from workers.cli import die_with_parent
+    from workers.supervise import die_with_parent
 
     die_with_parent(int(sys.argv[1]))
     report_fd = os.dup(1)
     os.dup2(2, 1)  # nothing else may write into the report pipe
     serve(report_fd)
+    os._exit(0)  # the pool closed our stdin; skip torch's slow teardown
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """Between the caller's tensordicts and the wire: what a request carries, what a recv returns.
 
-- :meth:`Assembler.payload`: the part of the caller's tensordict that is sent
-  for one env (everything but ``env_index`` and a stale ``"next"``).
+- :meth:`Assembler.payloads`: what is sent for each env of a batch (everything
+  but ``env_index`` and a stale ``"next"``). The pool keeps it as the request's
+  input too: a step's result is rebuilt from it, so the caller's tensordict is
+  not held while the env runs.
 - :meth:`Assembler.assemble`: replies in, torchrl's result out: a step's
-  result is the caller's input with ``"next"`` set, stacked over the envs,
-  sorted by env index, carrying ``env_index`` as a ``NonTensorStack``.
+  result is its inputs with ``"next"`` set, stacked over the envs, sorted by
+  env index, carrying ``env_index`` as a ``NonTensorStack``.
 
-Dense stacks of replies that share a layout take the fast path: one
-``torch.stack`` per leaf over the received buffers
-(:func:`~zmqpool.wire.stack_parts`), no per-env TensorDict.
+Where this is hot (a cheap env's step costs the pool more here than the env
+costs its worker), it avoids per-env TensorDicts: a dense batch is packed
+into one frame per env in one pass (:func:`~zmqpool.wire.pack_rows`), and
+parts that share a layout, whether replies or the inputs kept from a send, are
+stacked straight from their frames (:func:`~zmqpool.wire.stack_parts`).
+Everything else (lazy stacks, per-env TensorDicts of synthesized restarts)
+takes tensordict's own stacking, as before.
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDictBase
+import torch
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+)
 from tensordict.utils import expand_as_right
 
 from zmqpool.state import Reply
@@ -26,6 +39,8 @@ from zmqpool.wire import Command, DecodedPart, stack_parts
 ENV_INDEX = "env_index"
 _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
 
+Part = DecodedPart | TensorDictBase
+
 
 class Assembler:
     """Builds payloads and results for one pool.
@@ -34,15 +49,38 @@ class Assembler:
         stack: the pool's ``stack`` (``"dense"``, ``"maybe_dense"``, ``"lazy"``).
         stack_func: the matching tensordict stacking function.
         child_specs: each env's ``specs``, to synthesize restart truncations.
+        zero_copy_threshold: leaves at least this large get a frame of their own.
     """
 
-    def __init__(self, stack: str, stack_func: Callable, child_specs: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        stack: str,
+        stack_func: Callable,
+        child_specs: Sequence[Any],
+        zero_copy_threshold: int | None = None,
+    ) -> None:
         self.dense = stack == "dense"
         self.stack_func = stack_func
         self.child_specs = child_specs
+        self.zero_copy_threshold = zero_copy_threshold
 
-    def payload(self, local: TensorDictBase) -> TensorDictBase:
-        return local.exclude(ENV_INDEX, "next")
+    # ------------------------------------------------------------ sending
+
+    def payloads(self, batch: TensorDictBase) -> Sequence[Part]:
+        """One payload per env of ``batch`` (its first dim), without ``env_index`` and ``"next"``."""
+        rows = self._packed_rows(batch) if self.dense else None
+        if rows is not None:
+            return rows
+        return batch.exclude(ENV_INDEX, "next").unbind(0)
+
+    def _packed_rows(self, batch: TensorDictBase) -> list[DecodedPart] | None:
+        # Only a plain CPU TensorDict of tensors packs exactly as the stack of its
+        # rows would come back; anything else keeps its TensorDicts.
+        if type(batch) is not TensorDict or batch.device not in (None, _CPU):
+            return None
+        return None  # TEMP until wire.pack_rows
+
+    # ------------------------------------------------------------ receiving
 
     def assemble(self, replies: list[Reply]) -> tuple[TensorDictBase, TensorDictBase | None]:
         """torchrl's result (and, for step_and_maybe_reset, the next root) for sorted replies."""
@@ -51,7 +89,7 @@ class Assembler:
             raise RuntimeError("cannot stack replies to different commands in one recv")
         idx = [r.env for r in replies]
         if command in _STEP_COMMANDS:
-            root = self.stack_tds([r.pending.inputs for r in replies]).exclude(ENV_INDEX)
+            root = self.stack([self.input_part(r) for r in replies])
             root.set("next", self.stack_next(replies))
         else:
             root = self.stack_next(replies)
@@ -68,19 +106,24 @@ class Assembler:
     def stack_roots(self, replies: list[Reply]) -> TensorDictBase:
         return self.stack([self.root_part(r) for r in replies])
 
-    def next_part(self, reply: Reply) -> DecodedPart | TensorDictBase:
+    def input_part(self, reply: Reply) -> Part:
+        """What the request sent (its payload): the root of a step's result."""
+        inputs = reply.pending.inputs
+        assert inputs is not None
+        return inputs
+
+    def next_part(self, reply: Reply) -> Part:
         """The reply's first part; for a restarted env, the truncation built from its reset."""
         if not reply.synthesized:
             return reply.parts[0]
         reset = reply.parts[0].to_tensordict()
         return truncated_next(self.child_specs[reply.env], reset)
 
-    def root_part(self, reply: Reply) -> DecodedPart | TensorDictBase:
+    def root_part(self, reply: Reply) -> Part:
         """step_and_maybe_reset's next root; for a restarted env, its reset state."""
         if not reply.synthesized:
             return reply.parts[1]
-        assert reply.pending.inputs is not None
-        result = reply.pending.inputs.exclude(ENV_INDEX, "next")
+        result = _as_tensordict(self.input_part(reply)).exclude(ENV_INDEX, "next")
         result.set("next", self.next_part(reply))
         return next_root_after_restart(result, reply.parts[0].to_tensordict())
 
@@ -89,8 +132,7 @@ class Assembler:
         same = all(isinstance(p, DecodedPart) and p.layout is layout for p in parts)
         if same and self.dense:
             return stack_parts(parts)
-        tds = [p.to_tensordict() if isinstance(p, DecodedPart) else p for p in parts]
-        return self.stack_tds(tds)
+        return self.stack_tds([_as_tensordict(p) for p in parts])
 
     def stack_tds(self, tds: list[Any]) -> TensorDictBase:
         result = self.stack_func(tds)
@@ -99,7 +141,72 @@ class Assembler:
         return result
 
     def set_env_index(self, td: TensorDictBase, idx: list[int]) -> None:
-        indices = NonTensorStack(*idx)
+        indices = env_index_stack(idx)
         if indices.shape != td.shape:
             indices = expand_as_right(indices, td)
         td.set(ENV_INDEX, indices)
+
+
+def _as_tensordict(part: Part) -> TensorDictBase:
+    return part.to_tensordict() if isinstance(part, DecodedPart) else part
+
+
+_CPU = torch.device("cpu")
+_SCALAR = torch.Size(())
+
+
+def env_index_stack(idx: Sequence[int]) -> NonTensorStack:
+    """``NonTensorStack(*idx)``, the same object built at a sixth of the cost.
+
+    Every result carries one: ``NonTensorStack(*idx)`` spends ~15 us per item
+    in ``NonTensorData``'s tensorclass ``__init__`` and re-validates items it
+    was just given; for plain ints the state they end in is known.
+
+    Example:
+        >>> env_index_stack([2, 0]).tolist()
+        [2, 0]
+    """
+    if not _FAST_ITEMS:
+        return NonTensorStack(*idx)
+    return NonTensorStack._new_lazy_unsafe(*[_index_item(i) for i in idx])
+
+
+def _index_item(value: int) -> NonTensorData:
+    """What ``NonTensorData(data=value)`` builds, without its ``__init__``."""
+    item = NonTensorData.__new__(NonTensorData)
+    item.__dict__.update(
+        _tensordict=TensorDict._new_unsafe(batch_size=_SCALAR),
+        _non_tensordict={"data": value, "_is_non_tensor": True, "_metadata": None},
+        _is_initialized=True,
+    )
+    return item
+
+
+def _same_state(fast: Any, slow: Any) -> bool:
+    if fast.__dict__.keys() != slow.__dict__.keys():
+        return False
+    if isinstance(slow, NonTensorStack):
+        same = {k: v for k, v in fast.__dict__.items() if k != "tensordicts"} == {
+            k: v for k, v in slow.__dict__.items() if k != "tensordicts"
+        }
+        items = zip(fast.tensordicts, slow.tensordicts, strict=True)
+        return same and all(_same_state(a, b) for a, b in items)
+    if not isinstance(slow, NonTensorData):
+        return fast.__dict__ == slow.__dict__
+    return (
+        fast._non_tensordict == slow._non_tensordict
+        and fast._tensordict.__dict__ == slow._tensordict.__dict__
+    )
+
+
+def _fast_items_match() -> bool:
+    """Whether the shortcut builds what tensordict builds (checked once, at import)."""
+    try:
+        fast = NonTensorStack._new_lazy_unsafe(_index_item(0), _index_item(1))
+        return _same_state(fast, NonTensorStack(0, 1))
+    except Exception:  # another tensordict version: take the documented constructor
+        return False
+
+
+#: False when this tensordict builds ``NonTensorData`` differently: then the slow path.
+_FAST_ITEMS = _fast_items_match()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +29,11 @@ from typing import Any
 import zmq
 
 from zmqpool.config import PoolConfig
+from zmqpool.endpoints import Endpoints
 from zmqpool.errors import EnvError, ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.launcher import WorkerProcess
 from zmqpool.policy import Liveness
+from zmqpool.security import ServerKeys, make_server, start_authenticator
 from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
 from zmqpool.wire import Command, Decoder, Encoder, Header, encode_message
 
@@ -49,7 +52,16 @@ class Event:
     detail: dict[str, Any]
 
 
-Admit = Callable[[bytes, dict[str, Any]], list[int]]
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """The pool's answer to a REGISTER: which envs, and whether they were rebuilt."""
+
+    envs: list[int]
+    rejoin: bool = False  # the envs are fresh: requests in flight get truncations
+    duplicate: bool = False  # the same process registering again: answer, change nothing
+
+
+Admit = Callable[[bytes, dict[str, Any]], Admission]
 EnvErrorHook = Callable[[int, Pending, EnvError], bool]
 
 #: Commands that step an env; sent to a freshly restarted env, they become a reset.
@@ -59,16 +71,29 @@ STEP_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
 class Broker:
     """Sockets, registration and result intake; see the module docstring."""
 
-    def __init__(self, ledger: Ledger, config: PoolConfig, router_ep: str, results_ep: str) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        config: PoolConfig,
+        local: Endpoints,
+        tcp: Endpoints | None = None,
+        keys: ServerKeys | None = None,
+    ) -> None:
         self.ledger = ledger
         self.config = config
         self.context = zmq.Context()
-        self.router = self._bind(zmq.ROUTER, router_ep)
+        self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
+        self.router = self._socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.pull = self._bind(zmq.PULL, results_ep)
-        self.router_ep = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.results_ep = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pull = self._socket(zmq.PULL)
+        self.router_ep = self._bind(self.router, local.router)
+        self.results_ep = self._bind(self.pull, local.results)
+        self.auth: Any = None  # the ZAP thread, with CURVE
+        self.beacon: Beacon | None = None
+        self.tcp: Endpoints | None = None
+        if tcp is not None:
+            self._bind_tcp(tcp, keys)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.pull, zmq.POLLIN)
@@ -80,11 +105,26 @@ class Broker:
         # A pause longer than two heartbeats means the trainer was away, not the workers.
         self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
 
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+    def _socket(self, kind: int) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.linger = 0
-        sock.bind(endpoint)
         return sock
+
+    def _bind(self, sock: zmq.Socket, endpoint: str) -> str:
+        sock.bind(endpoint)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _bind_tcp(self, tcp: Endpoints, keys: ServerKeys | None) -> None:
+        """Bind the TCP side; with keys, under CURVE (ipc binds above stay without it)."""
+        if keys is not None:
+            self.auth = start_authenticator(self.context, keys)
+            make_server(self.router, keys)
+            make_server(self.pull, keys)
+        router = self._bind(self.router, tcp.router)
+        results = self._bind(self.pull, tcp.results)
+        self.beacon = Beacon(self.context, tcp.beats, keys, self.epoch, self.config)
+        self.tcp = Endpoints(router, results, self.beacon.endpoint)
+        log.info("pool listening for remote workers on %s (results %s)", router, results)
 
     # ------------------------------------------------------------ processes
 
@@ -259,14 +299,19 @@ class Broker:
         try:
             if not isinstance(reg, dict) or self.admit is None:
                 raise RegistrationError("REGISTER without registration data")
-            envs = self.admit(identity, reg)
+            admission = self.admit(identity, reg)
         except (RegistrationError, ProtocolError) as err:
             log.warning("refused worker %r: %s", identity, err)
             self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
             return
-        self._welcome(identity, envs, reg)
+        self._welcome(identity, admission, reg)
 
-    def _welcome(self, identity: bytes, envs: list[int], reg: dict[str, Any]) -> None:
+    def _welcome(self, identity: bytes, admission: Admission, reg: dict[str, Any]) -> None:
+        known = self.workers.get(identity)
+        if admission.duplicate and known is not None:
+            self._send_welcome(identity, known, reg)  # our WELCOME was lost: say it again
+            return
+        envs = admission.envs
         token = os.urandom(16)
         pid = reg["pid"] if isinstance(reg.get("pid"), int) else -1
         record = WorkerRecord(
@@ -281,9 +326,23 @@ class Broker:
         self.liveness.heard(identity, time.monotonic())
         for env in envs:
             self.ledger.slots[env].worker = record
-        body = {"reg": {"token": token, "envs": envs, "results": self.results_ep}}
+        self._send_welcome(identity, record, reg)
+        detail = {"envs": envs, "reg": reg, "rejoin": admission.rejoin}
+        self.events.append(Event("registered", identity, detail))
+
+    def _send_welcome(self, identity: bytes, record: WorkerRecord, reg: dict[str, Any]) -> None:
+        remote = bool(reg.get("remote")) and self.tcp is not None
+        body = {
+            "reg": {
+                "token": record.token,
+                "envs": list(record.envs),
+                "results": self.tcp.results if remote and self.tcp else self.results_ep,
+                "beats": self.tcp.beats if remote and self.tcp else None,
+                "epoch": self.epoch,
+                "heartbeat_interval_s": self.config.heartbeat_interval_s,
+            }
+        }
         self.route(identity, [Header(Command.WELCOME, body=body).encode()])
-        self.events.append(Event("registered", identity, {"envs": envs, "reg": reg}))
 
     _CONTROL = {
         Command.REGISTER: _on_register,
@@ -296,7 +355,54 @@ class Broker:
         return events
 
     def close(self) -> None:
+        if self.beacon is not None:
+            self.beacon.stop()
+        if self.auth is not None:
+            self.auth.stop()
         for pidfd in list(self.processes):
             self.poller.unregister(pidfd)
         self.processes.clear()
         self.context.destroy(linger=0)
+
+
+class Beacon:
+    """The pool's heartbeat to remote workers, from its own thread and its own PUB socket.
+
+    A thread, so that a trainer busy for minutes between calls still looks
+    alive; each beat carries the pool's epoch, so workers of a restarted
+    trainer notice the new pool and register again.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        keys: ServerKeys | None,
+        epoch: bytes,
+        config: PoolConfig,
+    ) -> None:
+        self.sock = context.socket(zmq.PUB)
+        self.sock.linger = 0
+        if keys is not None:
+            make_server(self.sock, keys)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.beat = Header(Command.PING, body={"epoch": epoch}).encode()
+        self.interval_s = config.heartbeat_interval_s
+        self._stop = threading.Event()
+        # The socket moves to the thread now and is used by nobody else.
+        self.thread = threading.Thread(target=self._run, name="zmqpool-beacon", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.sock.send(self.beat, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the context is being destroyed: the pool is closing
+        finally:
+            self.sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2 * self.interval_s + 1)

@@ -37,6 +37,9 @@ class PoolConfig:
     #: first restart delay, doubled for each restart within the window.
     restart_backoff_s: float = 0.05
     restart_backoff_max_s: float = 2.0
+    #: a remote worker silent past the heartbeat timeout has this long to
+    #: rejoin (itself or a replacement) before its envs are reported lost.
+    rejoin_timeout_s: float = 60.0
     #: leaves at least this large travel as their own zero-copy frame.
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
     #: fork local workers from a process that imported torchrl once (restarts

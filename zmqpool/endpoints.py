@@ -21,6 +21,20 @@ class Endpoints:
 
     router: str  # commands out, registration and heartbeats in
     results: str  # results in (PULL)
+    beats: str = ""  # the pool's heartbeats out (PUB), TCP only
+
+
+def tcp_endpoints(bind: str) -> Endpoints:
+    """``tcp://HOST:PORT`` -> router on PORT, results on PORT+1, beats on PORT+2 (``*``: any)."""
+    if not bind.startswith("tcp://") or ":" not in bind[6:]:
+        raise ValueError(f"bind must look like tcp://HOST:PORT, got {bind!r}")
+    host, port = bind[6:].rsplit(":", 1)
+    if port == "*":
+        return Endpoints(bind, f"tcp://{host}:*", f"tcp://{host}:*")
+    if not port.isdigit():
+        raise ValueError(f"bind port must be a number or *, got {port!r}")
+    base = int(port)
+    return Endpoints(bind, f"tcp://{host}:{base + 1}", f"tcp://{host}:{base + 2}")
 
 
 def make_private_dir() -> str:

@@ -240,16 +240,15 @@ class ForkServer:
                 self.statuses[pid] = status
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()  # end of file: the zygote exits
-        try:
-            self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        # The zygote holds no state worth a graceful exit (its children are
+        # stopped first), and an interpreter with torch loaded takes a second
+        # to tear down: kill it.
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
 
 
 def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
@@ -264,18 +263,21 @@ class Launcher:
 
     def __init__(self, use_fork_server: bool, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.fork_server = ForkServer() if use_fork_server else None
+        self.use_fork_server = use_fork_server
+        self.fork_server: ForkServer | None = None
 
     def start(
         self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None
     ) -> WorkerProcess:
+        if self.use_fork_server and self.fork_server is None:
+            self.fork_server = ForkServer()  # only once a local worker is wanted
         if self.fork_server is not None:
             try:
                 return self.fork_server.start(argv[3:], payload, cpu_affinity, self.timeout_s)
             except OSError as err:
                 log.warning("fork server unavailable (%s); starting workers afresh", err)
                 self.fork_server.close()
-                self.fork_server = None
+                self.fork_server, self.use_fork_server = None, False
         return LocalProcess(argv, payload, cpu_affinity)
 
     def close(self) -> None:

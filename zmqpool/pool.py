@@ -9,21 +9,31 @@ semantics; everything zmqpool adds is a keyword argument with a safe default.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase
 
+from zmqpool.admission import Registrar
 from zmqpool.assembly import Assembler
 from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
-from zmqpool.endpoints import ipc_endpoints, make_private_dir, remove_private_dir
-from zmqpool.errors import EnvMakerError, PoolClosedError, ProtocolError, RegistrationError
+from zmqpool.endpoints import (
+    Endpoints,
+    ipc_endpoints,
+    make_private_dir,
+    remove_private_dir,
+    tcp_endpoints,
+)
+from zmqpool.errors import EnvMakerError, PoolClosedError, RegistrationError
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
+from zmqpool.remote import RemoteSlots
+from zmqpool.security import ServerKeys
 from zmqpool.specs import spec_from_data
 from zmqpool.state import Channel, Kind, Ledger, Reply
 from zmqpool.stats import stats_table
@@ -37,6 +47,43 @@ _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
 
 def _is_single_maker(env_makers: Any) -> bool:
     return not isinstance(env_makers, (Sequence, EnvBase))
+
+
+class _RemoteSlot:
+    """Stands in the env-maker list for an env that a remote worker will host."""
+
+    def __repr__(self) -> str:
+        return "<remote env slot>"
+
+
+def _with_remote_slots(env_makers: Any, kwargs: Any, remote: int) -> tuple[list, Any]:
+    makers = [env_makers] if _is_single_maker(env_makers) or isinstance(env_makers, EnvBase) else []
+    makers = makers or list(env_makers)
+    if kwargs is None or isinstance(kwargs, dict):
+        kwargs = [dict(kwargs or {}) for _ in makers]
+    if len(kwargs) != len(makers):
+        raise ValueError(
+            f"create_env_kwargs must be a dict or a list of {len(makers)} dicts, one per local env"
+        )
+    return makers + [_RemoteSlot()] * remote, list(kwargs) + [{}] * remote
+
+
+def _check_network_args(remote: int, bind, keys, insecure: bool, local_transport: str) -> None:
+    if not isinstance(remote, int) or isinstance(remote, bool) or remote < 0:
+        raise ValueError(f"remote_envs must be a non-negative integer, got {remote!r}")
+    if remote and bind is None:
+        raise ValueError("remote_envs needs bind='tcp://HOST:PORT' for the workers to reach")
+    if local_transport not in ("ipc", "tcp"):
+        raise ValueError(f"local_transport must be 'ipc' or 'tcp', got {local_transport!r}")
+    if bind is None:
+        return
+    if keys is None and not insecure:
+        raise ValueError(
+            f"binding {bind} without CURVE would let anyone who reaches it step your envs: "
+            "pass curve_keys=DIR (made by `zmqpool keygen DIR`), or insecure=True to accept that"
+        )
+    if keys is None:
+        log.warning("binding %s WITHOUT encryption or authentication (insecure=True)", bind)
 
 
 class _Resources:
@@ -87,6 +134,17 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         on_env_error: ``"raise"`` (an env exception raises in recv, naming the
             env, with its traceback) or ``"restart"`` (handled like a crash:
             the worker is restarted and the request answered by a truncation).
+        remote_envs: env slots filled by workers on other machines (after the
+            local envs: indices ``len(env_makers)`` onwards). Construction
+            waits for them (``config.register_timeout_s``).
+        bind: ``"tcp://HOST:PORT"``: where remote workers connect (commands on
+            PORT, results on PORT+1, the pool's heartbeats on PORT+2).
+        curve_keys: a directory made by ``zmqpool keygen``: TCP traffic is
+            encrypted and only workers whose public key is in its
+            ``authorized/`` folder may connect.
+        insecure: bind TCP without CURVE (anyone who reaches the port can
+            step your envs); refused unless set, and logged as a warning.
+        local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback) for local workers.
         backend, exchange: accepted for compatibility with code written for
             torchrl's pool; the transport is always ZeroMQ.
 
@@ -110,6 +168,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         worker_affinity: Any = None,
         config: PoolConfig | None = None,
         on_env_error: Literal["raise", "restart"] = "raise",
+        remote_envs: int = 0,
+        bind: str | None = None,
+        curve_keys: str | os.PathLike | None = None,
+        insecure: bool = False,
+        local_transport: Literal["ipc", "tcp"] = "ipc",
         backend: str | None = None,
         exchange: str | None = None,
     ) -> None:
@@ -122,6 +185,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             env_makers = [env_makers] * len(create_env_kwargs)
         if on_env_error not in ("raise", "restart"):
             raise ValueError(f"on_env_error must be 'raise' or 'restart', got {on_env_error!r}")
+        _check_network_args(remote_envs, bind, curve_keys, insecure, local_transport)
+        self.remote_envs, self.bind = remote_envs, bind
+        self.curve_keys, self.local_transport = curve_keys, local_transport
+        env_makers, create_env_kwargs = _with_remote_slots(
+            env_makers, create_env_kwargs, remote_envs
+        )
+        self.num_local_envs = len(env_makers) - remote_envs
         self.on_env_error = on_env_error
         self.config = config or PoolConfig()
         #: env indices whose results in the latest recv were synthesized by a restart.
@@ -151,14 +221,19 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _start(self) -> tuple[Any, Any]:
         self._ledger = Ledger(self.num_envs)
-        endpoints = ipc_endpoints(self._resources.directory)
-        self._broker = Broker(self._ledger, self.config, endpoints.router, endpoints.results)
+        self._broker = self._make_broker()
         self._resources.broker = self._broker
-        self._broker.admit = self._admit
+        self._worker_envs = self._plan_workers()
+        remote = None
+        if self.remote_envs:
+            indices = list(range(self.num_local_envs, self.num_envs))
+            remote = RemoteSlots(indices, self.config.rejoin_timeout_s)
+        self._registrar = Registrar(
+            self._ledger, self._worker_envs, remote, same_specs=self.stack == "dense"
+        )
+        self._broker.admit = self._registrar.admit
         self._launcher = Launcher(self.config.fork_server, self.config.register_timeout_s)
         self._resources.launcher = self._launcher
-        self._worker_envs = self._plan_workers()
-        self._registrations: dict[int, dict[str, Any]] = {}
         for worker_index in range(len(self._worker_envs)):
             self._spawn(worker_index)
         self._await_registration()
@@ -167,23 +242,39 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             self._ledger,
             self.config,
             self._worker_envs,
+            self._registrar.local_identities,
             self._spawn,
+            remote=remote,
             restart_on_env_error=self.on_env_error == "restart",
         )
-        self._child_specs = [
-            spec_from_data(self._registrations[i]["spec"]) for i in range(self.num_envs)
-        ]
+        self._child_specs = [spec_from_data(self._registrar.specs[i]) for i in range(self.num_envs)]
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
-        self._assembler = Assembler(self.stack, self._stack_func, self._child_specs)
+        self._assembler = Assembler(
+            self.stack, self._stack_func, self._child_specs, self.config.zero_copy_threshold_bytes
+        )
         specs: Any = torch.stack(list(self._child_specs))
         return specs["output_spec"], specs["input_spec"]
 
+    def _make_broker(self) -> Broker:
+        if self.local_transport == "tcp":
+            local = Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        else:
+            local = ipc_endpoints(self._resources.directory)
+        tcp = tcp_endpoints(self.bind) if self.bind else None
+        keys = ServerKeys.from_dir(self.curve_keys) if self.curve_keys else None
+        return Broker(self._ledger, self.config, local, tcp, keys)
+
+    @property
+    def remote_endpoint(self) -> str | None:
+        """Where remote workers connect (``--connect``), once bound."""
+        return self._broker.tcp.router if self._broker.tcp else None
+
     def _plan_workers(self) -> list[tuple[int, ...]]:
-        per = self.envs_per_worker
-        return [tuple(range(s, min(s + per, self.num_envs))) for s in range(0, self.num_envs, per)]
+        per, n = self.envs_per_worker, self.num_local_envs
+        return [tuple(range(s, min(s + per, n))) for s in range(0, n, per)]
 
     def _identity(self, worker_index: int) -> bytes:
-        return f"w{worker_index}".encode()
+        return self._registrar.identity(worker_index)
 
     def _spawn(self, worker_index: int) -> None:
         indices = self._worker_envs[worker_index]
@@ -201,39 +292,26 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._resources.processes[identity] = process
         self._broker.watch(identity, process)
 
-    def _admit(self, identity: bytes, reg: dict[str, Any]) -> list[int]:
-        """Decide a REGISTER: a local worker gets exactly the envs it was spawned for."""
-        expected = {self._identity(w): envs for w, envs in enumerate(self._worker_envs)}
-        envs = reg.get("envs")
-        if identity not in expected:
-            raise RegistrationError(f"unknown worker identity {identity!r}")
-        if envs != list(expected[identity]):
-            raise RegistrationError(
-                f"worker {identity!r} offers envs {envs}, expected {expected[identity]}"
-            )
-        specs = reg.get("specs")
-        if not isinstance(specs, list) or len(specs) != len(envs):
-            raise ProtocolError("REGISTER must carry one spec per env")
-        for env, spec in zip(envs, specs, strict=True):
-            known = self._registrations.get(env)
-            if known is not None and known["spec"] != spec:
-                raise RegistrationError(f"env {env} came back with specs that differ from before")
-            spec_from_data(spec)  # validate before accepting
-            self._registrations[env] = {"spec": spec, "identity": identity}
-        return list(envs)
-
     def _await_registration(self) -> None:
         deadline = time.monotonic() + self.config.register_timeout_s
-        while len(self._registrations) < self.num_envs:
+        while len(self._registrar.specs) < self.num_envs:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(self.num_envs)) - set(self._registrations))
-                raise RegistrationError(
-                    f"envs {missing} did not register within {self.config.register_timeout_s} s"
-                )
+                raise RegistrationError(self._missing_message())
             self._broker.poll(min(remaining, 0.1))
             for event in self._broker.take_events():
                 self._on_setup_event(event)
+
+    def _missing_message(self) -> str:
+        missing = sorted(set(range(self.num_envs)) - set(self._registrar.specs))
+        text = f"envs {missing} did not register within {self.config.register_timeout_s} s"
+        remote = [e for e in missing if e >= self.num_local_envs]
+        if remote:
+            text += (
+                f"; remote envs {remote} wait for workers to connect to {self.remote_endpoint} "
+                "(python -m workers --connect ... --env package.module:callable)"
+            )
+        return text
 
     def _on_setup_event(self, event: Event) -> None:
         if event.kind == "failed":
@@ -245,7 +323,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             for other in self._broker.take_events():
                 if other.kind == "failed":
                     self._on_setup_event(other)
-            envs = list(self._worker_envs[int(event.identity[1:])])
+            envs = list(self._worker_envs[self._registrar.local_identities[event.identity]])
             raise RegistrationError(
                 f"the worker of envs {envs} exited with status {event.detail['status']} "
                 "before registering (see its stderr above)"
@@ -329,9 +407,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_env_index_arg(env_index)
         if isinstance(env_index, Sequence):
             env_index = self._check_indices(list(env_index), tensordict)
-        tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
+        tensordict, env_idx = self._tag_batch(tensordict, env_index, make_if_none)
         per_env = isinstance(env_index, int)
-        local_tds = self._validate_batch(tensordict, env_idx)
         kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
         kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
         self._refuse_lost(env_idx)
@@ -342,12 +419,28 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"Some envs are still processing a step: envs that are busy: {sorted(busy)}, "
                     f"queried: {env_idx}."
                 )
-        for env, local in zip(env_idx, local_tds, strict=True):
-            payload = self._assembler.payload(local)
-            self._broker.send(env, command, payload, per_env, inputs=local)
+        # The payload is the input too: a result is rebuilt from what was sent.
+        for env, payload in zip(env_idx, self._assembler.payloads(tensordict), strict=True):
+            self._broker.send(env, command, payload, per_env, inputs=payload)
         if not per_env:
             self._busy.update(env_idx)
             self._outstanding[kind] += len(env_idx)
+
+    def _tag_batch(
+        self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
+    ) -> tuple[TensorDictBase, list[int]]:
+        """torchrl's ``_maybe_make_tensordict``, then the batch's indices checked against it.
+
+        A plain batch with its env indices (the hot path) is tagged here, at a
+        fraction of the cost: its ``env_index`` is the same ``NonTensorStack``.
+        """
+        if isinstance(env_index, list) and type(tensordict) is TensorDict:
+            if tensordict.batch_dims == 1:
+                self._assembler.set_env_index(tensordict, env_index)
+                return tensordict, env_index  # both checked by _check_indices already
+        tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
+        env_idx = self._check_indices(list(env_idx), tensordict)
+        return tensordict, env_idx
 
     def _refuse_lost(self, env_idx: list[int]) -> None:
         for env in env_idx:

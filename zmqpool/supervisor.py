@@ -9,6 +9,11 @@ Deaths are seen three ways, under one :class:`~zmqpool.policy.RestartPolicy`:
 
 With ``on_env_error="restart"`` an env that raises is handled like a crash.
 
+A remote worker cannot be restarted from here: when it goes silent its slots
+are vacated and wait ``rejoin_timeout_s`` for it (or a replacement) to
+register again; past that, their requests fail with
+:class:`~zmqpool.errors.EnvLostError`.
+
 Requests in flight on a dead worker stay in the :class:`~zmqpool.state.Ledger`.
 When the new process registers, each is sent again with a new sequence number
 (the old worker's token is void, so its late replies are dropped); the first
@@ -26,8 +31,9 @@ from collections.abc import Callable
 
 from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
-from zmqpool.errors import CrashLoopError, EnvError
+from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
 from zmqpool.policy import RestartPolicy
+from zmqpool.remote import RemoteSlots
 from zmqpool.state import Ledger, Pending, Reply
 
 log = logging.getLogger("zmqpool")
@@ -49,8 +55,10 @@ class Supervisor:
 
     Args:
         broker, ledger, config: the pool's.
-        worker_envs: env indices of each worker, by worker index.
+        worker_envs: env indices of each local worker, by worker index.
+        local_identities: routing identity -> local worker index.
         spawn: starts (again) the process of a worker index.
+        remote: the remote slots, if the pool has any.
         restart_on_env_error: treat an env exception as a crash.
     """
 
@@ -60,14 +68,19 @@ class Supervisor:
         ledger: Ledger,
         config: PoolConfig,
         worker_envs: list[tuple[int, ...]],
+        local_identities: dict[bytes, int],
         spawn: Callable[[int], None],
+        remote: RemoteSlots | None = None,
         restart_on_env_error: bool = False,
     ) -> None:
         self.broker = broker
         self.ledger = ledger
         self.config = config
         self.worker_envs = worker_envs
+        self.local_identities = local_identities
+        self.identities = {index: identity for identity, index in local_identities.items()}
         self.spawn = spawn
+        self.remote = remote
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
@@ -83,7 +96,11 @@ class Supervisor:
     # ------------------------------------------------------------ events
 
     def on_event(self, event: Event) -> None:
-        worker = self._index(event.identity)
+        if event.kind == "registered":
+            if event.detail.get("rejoin"):
+                self._on_rejoin(event.detail["envs"])
+            return
+        worker = self.local_identities.get(event.identity)
         if worker is None:
             return
         if event.kind == "exited":
@@ -91,20 +108,12 @@ class Supervisor:
         elif event.kind == "failed":
             self._maker_traceback[worker] = str(event.detail.get("tb", ""))
             log.warning("env maker failed in a restart of worker %d: %s", worker, event.detail)
-        elif event.kind == "registered":
-            self._on_registered(worker)
-
-    def _index(self, identity: bytes) -> int | None:
-        text = identity.decode(errors="replace")
-        if text.startswith("w") and text[1:].isdigit() and int(text[1:]) < len(self.worker_envs):
-            return int(text[1:])
-        return None
 
     def _on_exit(self, worker: int, status: int | None) -> None:
         cause, traceback = self._kill_cause.pop(worker, (describe_status(status), ""))
         traceback = traceback or self._maker_traceback.pop(worker, "")
         envs = self.worker_envs[worker]
-        self.broker.forget_worker(f"w{worker}".encode())
+        self.broker.forget_worker(self.identities[worker])
         for env in envs:
             slot = self.ledger.slots[env]
             slot.worker = None
@@ -125,19 +134,20 @@ class Supervisor:
         if traceback:
             message += f"\n--- last traceback ---\n{traceback.rstrip()}"
         log.error("envs %s: %s", list(envs), message)
-        error = CrashLoopError(list(envs), message)
+        self._fail(envs, CrashLoopError(list(envs), message))
+
+    def _fail(self, envs: tuple[int, ...] | list[int], error: EnvLostError) -> None:
+        """Answer every request in flight on ``envs`` with ``error``, and refuse new ones."""
         for env in envs:
             slot = self.ledger.slots[env]
             slot.lost = error
             while slot.in_flight:
                 self.ledger.deliver(Reply(env, slot.in_flight.popleft(), error=error))
 
-    def _on_registered(self, worker: int) -> None:
-        """A (re)started worker is in: its envs are fresh; resend what is in flight."""
-        for env in self.worker_envs[worker]:
+    def _on_rejoin(self, envs: list[int]) -> None:
+        """A restarted or rejoining worker is in: its envs are fresh; resend what is in flight."""
+        for env in envs:
             slot = self.ledger.slots[env]
-            if slot.restarts == 0:
-                continue
             slot.fresh = True
             for pending in list(slot.in_flight):
                 self.ledger.restamp(env, pending)
@@ -145,16 +155,17 @@ class Supervisor:
 
     def _on_env_error(self, env: int, pending: Pending, error: EnvError) -> bool:
         """``on_env_error="restart"``: requeue the request and kill the worker."""
+        worker = self._worker_of(env)
+        if worker is None:
+            return False  # a remote env: its own host restarts it; the caller gets the error
         self.ledger.slots[env].in_flight.appendleft(pending)
         log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
-        worker = self._worker_of(env)
-        self._kill(
-            worker, f"env {env} raised: {str(error).splitlines()[0]}", error.remote_traceback
-        )
+        cause = f"env {env} raised: {str(error).splitlines()[0]}"
+        self._kill(worker, cause, error.remote_traceback)
         return True
 
-    def _worker_of(self, env: int) -> int:
-        return next(w for w, envs in enumerate(self.worker_envs) if env in envs)
+    def _worker_of(self, env: int) -> int | None:
+        return next((w for w, envs in enumerate(self.worker_envs) if env in envs), None)
 
     # ------------------------------------------------------------ timers
 
@@ -170,11 +181,43 @@ class Supervisor:
         if not judge:
             return
         self._check_deadlines(now)
+        silence = f"silent for more than {self.config.heartbeat_timeout_s} s (no heartbeat)"
         for identity in self.broker.liveness.silent(now):
-            index = self._index(identity) if isinstance(identity, bytes) else None
-            if index is not None and index not in self._kill_cause:
-                timeout = self.config.heartbeat_timeout_s
-                self._kill(index, f"silent for more than {timeout} s (no heartbeat)", "")
+            assert isinstance(identity, bytes)
+            index = self.local_identities.get(identity)
+            if index is None:
+                self._vacate(identity, now, silence)
+            elif index not in self._kill_cause:
+                self._kill(index, silence, "")
+        self._expire_vacancies(now)
+
+    def _vacate(self, identity: bytes, now: float, cause: str) -> None:
+        """A remote worker went silent: keep its requests, wait for it to rejoin."""
+        self.broker.forget_worker(identity)
+        envs = self.remote.vacate(identity, now) if self.remote else []
+        for env in envs:
+            slot = self.ledger.slots[env]
+            slot.worker = None
+            slot.restarts += 1
+            slot.last_restart_cause = cause
+        wait = self.config.rejoin_timeout_s
+        log.warning(
+            "remote worker %r of envs %s: %s; waiting %s s for a rejoin",
+            identity,
+            envs,
+            cause,
+            wait,
+        )
+
+    def _expire_vacancies(self, now: float) -> None:
+        if self.remote is None:
+            return
+        late = self.remote.expired(now)
+        if late:
+            why = "their remote worker went silent and none rejoined within "
+            why += f"{self.config.rejoin_timeout_s} s"
+            log.error("envs %s are lost: %s", late, why)
+            self._fail(late, EnvLostError(late, why))
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.step_timeout_s
@@ -186,10 +229,10 @@ class Supervisor:
             pending = slot.in_flight[0]
             if now - pending.sent_at > timeout:
                 worker = self._worker_of(slot.index)
-                if worker not in self._kill_cause:
+                if worker is not None and worker not in self._kill_cause:
                     cause = f"hung: no reply to {pending.command.name} within {timeout} s"
                     self._kill(worker, cause, "")
 
     def _kill(self, worker: int, cause: str, traceback: str) -> None:
         self._kill_cause[worker] = (cause, traceback)
-        self.broker.kill(f"w{worker}".encode())
+        self.broker.kill(self.identities[worker])

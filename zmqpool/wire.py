@@ -24,20 +24,37 @@ A message is a list of frames::
 
 A tensordict part is described by a :class:`Layout`, sent in full once (in
 ``body["L"]``, the first time its id is used on a connection) and referred to
-by id afterwards, so per-step headers stay a few dozen bytes. A layout lists
-its leaves ``[key path, dtype, shape, own_frame]`` and its batch size. Leaves
+by id afterwards, so per-step headers stay a few dozen bytes. A layout is a map:
+``"b"`` the batch size, ``"t"`` the tensor leaves ``[key path, dtype, shape,
+own_frame]``, ``"n"`` the non-tensor key paths, and, only when needed, ``"s"``
+the nested tensordicts that have a batch size of their own or no keys
+(``[key path, batch size]``) and ``"k"`` the indices of the non-tensor keys
+that hold a ``NonTensorStack`` (their value is then a nested list, one item per
+batch element) rather than one ``NonTensorData``. Leaves
 smaller than :data:`ZERO_COPY_THRESHOLD` bytes are packed, 16-byte aligned, in
 one frame (copying a few bytes is cheaper than a zero-copy frame's
 bookkeeping); larger ones travel as their own frame, sent with ``copy=False``
 and read with :func:`torch.frombuffer`, without a copy. The receiver
 recomputes offsets itself and checks every frame's size against the layout
-before touching it, so a frame claiming 10 GB allocates nothing.
+before touching it.
+
+Limits. A layout is refused when it breaks the tree a tensordict can be
+(a key twice, a key both a leaf and a branch, a leaf whose shape does not start
+with its tensordict's batch size), when a leaf exceeds :data:`MAX_LEAF_BYTES`
+or a frame the decoder's ``max_frame_bytes``: so a layout claiming a 10 GB leaf
+is refused when it is announced, before any frame is looked at, and allocates
+nothing. What the decoder cannot stop is ZeroMQ receiving a huge frame: that is
+the socket's ``MAXMSGSIZE`` (a per-frame limit, read when a socket binds or
+connects), which :func:`max_message_bytes` derives from the layouts a peer
+will use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -60,7 +77,12 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_LEAVES = 4096
 MAX_KEY_DEPTH = 16
 MAX_DIMS = 16
-MAX_LEAF_BYTES = 1 << 34
+#: A leaf, and any frame, larger than this is refused: a layout claiming more is
+#: refused when announced. Zero-size dims do not make a shape free: the product
+#: of its dims, zeros counted as one, is held to the same bound, since torch
+#: computes strides from them.
+MAX_LEAF_BYTES = 1 << 32
+MAX_FRAME_BYTES = 1 << 32
 MAX_PARTS = 4
 MAX_LAYOUT_ID = 1 << 31
 
@@ -199,12 +221,15 @@ def _is_int(value: Any) -> bool:
 
 # ---------------------------------------------------------------- layouts
 
+Key = tuple[str, ...]
+Branch = tuple[Key, tuple[int, ...]]
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Leaf:
     """One tensor of a part: where its bytes are and what they mean."""
 
-    key: tuple[str, ...]
+    key: Key
     dtype: torch.dtype
     shape: tuple[int, ...]
     own_frame: bool
@@ -215,13 +240,22 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Layout:
-    """How one tensordict is laid out in frames; see the module docstring."""
+    """How one tensordict is laid out in frames; see the module docstring.
+
+    ``branches`` are the nested tensordicts with a batch size of their own (or
+    no keys), deepest first; ``stacked`` says, per non-tensor key, whether it
+    holds a ``NonTensorStack``; ``nontensor_batches`` is the batch size of the
+    tensordict each non-tensor key lives in (derived, not sent).
+    """
 
     batch_size: tuple[int, ...]
     leaves: tuple[Leaf, ...]
-    nontensor_keys: tuple[tuple[str, ...], ...]
+    nontensor_keys: tuple[Key, ...]
     packed_nbytes: int
     frame_sizes: tuple[int, ...]
+    branches: tuple[Branch, ...] = ()
+    stacked: tuple[bool, ...] = ()
+    nontensor_batches: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_frames(self) -> int:
@@ -232,10 +266,12 @@ class Layout:
             self.batch_size,
             tuple((leaf.key, leaf.dtype, leaf.shape) for leaf in self.leaves),
             self.nontensor_keys,
+            self.stacked,
+            self.branches,
         )
 
     def to_data(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "b": list(self.batch_size),
             "t": [
                 [list(leaf.key), dtype_name(leaf.dtype), list(leaf.shape), leaf.own_frame]
@@ -243,12 +279,17 @@ class Layout:
             ],
             "n": [list(key) for key in self.nontensor_keys],
         }
+        if self.branches:
+            data["s"] = [[list(key), list(batch)] for key, batch in self.branches]
+        if any(self.stacked):
+            data["k"] = [i for i, stacked in enumerate(self.stacked) if stacked]
+        return data
 
     @classmethod
     def from_data(cls, data: Any) -> Layout:
         """Rebuild and validate a layout received from a peer."""
-        if not isinstance(data, dict) or set(data) != {"b", "t", "n"}:
-            raise ProtocolError("a layout is a map with keys b, t, n")
+        if not isinstance(data, dict) or not _LAYOUT_KEYS <= set(data) <= _LAYOUT_ALL_KEYS:
+            raise ProtocolError("a layout is a map with keys b, t, n (and optionally s, k)")
         batch_size = _shape(data["b"], "layout batch size")
         if not isinstance(data["t"], list) or len(data["t"]) > MAX_LEAVES:
             raise ProtocolError(f"a layout has a list of at most {MAX_LEAVES} leaves")
@@ -256,7 +297,13 @@ class Layout:
             raise ProtocolError("a layout's non-tensor keys must be a short list")
         specs = [_leaf_spec(item) for item in data["t"]]
         nontensor = tuple(_key(item) for item in data["n"])
-        return build_layout(batch_size, specs, nontensor)
+        branches = _branches(data.get("s", []))
+        stacked = _stacked(data.get("k", []), len(nontensor))
+        return build_layout(batch_size, specs, nontensor, branches, stacked)
+
+
+_LAYOUT_KEYS = frozenset("btn")
+_LAYOUT_ALL_KEYS = frozenset("btnsk")
 
 
 def _shape(value: Any, what: str) -> tuple[int, ...]:
@@ -264,10 +311,17 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
         raise ProtocolError(f"{what} must be a list of at most {MAX_DIMS} sizes")
     if not all(_is_int(v) and 0 <= v < (1 << 40) for v in value):
         raise ProtocolError(f"{what} must hold non-negative integers")
+    _check_extent(value, what)
     return tuple(value)
 
 
-def _key(value: Any) -> tuple[str, ...]:
+def _check_extent(shape: Sequence[int], what: str) -> None:
+    # Zeros count as ones: torch computes strides from the other dims all the same.
+    if math.prod(max(size, 1) for size in shape) > MAX_LEAF_BYTES:
+        raise ProtocolError(f"{what} {list(shape)} is too large")
+
+
+def _key(value: Any) -> Key:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_KEY_DEPTH:
         raise ProtocolError(f"a key path is a list of 1 to {MAX_KEY_DEPTH} strings")
     if not all(isinstance(part, str) and 0 < len(part) <= 256 for part in value):
@@ -275,51 +329,176 @@ def _key(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _leaf_spec(item: Any) -> tuple[tuple[str, ...], torch.dtype, tuple[int, ...], bool]:
+def _leaf_spec(item: Any) -> tuple[Key, torch.dtype, tuple[int, ...], bool]:
     if not isinstance(item, list) or len(item) != 4 or not isinstance(item[3], bool):
         raise ProtocolError("a layout leaf is [key, dtype, shape, own_frame]")
     return _key(item[0]), dtype_from_name(item[1]), _shape(item[2], "leaf shape"), item[3]
 
 
+def _branches(value: Any) -> list[Branch]:
+    if not isinstance(value, list) or len(value) > MAX_LEAVES:
+        raise ProtocolError("a layout's nested tensordicts must be a short list")
+    if not all(isinstance(item, list) and len(item) == 2 for item in value):
+        raise ProtocolError("a nested tensordict is [key path, batch size]")
+    return [(_key(key), _shape(batch, "nested batch size")) for key, batch in value]
+
+
+def _stacked(value: Any, count: int) -> list[bool]:
+    if not isinstance(value, list) or not all(_is_int(i) and 0 <= i < count for i in value):
+        raise ProtocolError("a layout's stacked non-tensor indices must index its non-tensor keys")
+    stacked = [False] * count
+    for index in value:
+        stacked[index] = True
+    return stacked
+
+
 def build_layout(
     batch_size: Sequence[int],
-    leaf_specs: Iterable[tuple[tuple[str, ...], torch.dtype, tuple[int, ...], bool]],
-    nontensor_keys: tuple[tuple[str, ...], ...] = (),
+    leaf_specs: Iterable[tuple[Key, torch.dtype, tuple[int, ...], bool]],
+    nontensor_keys: tuple[Key, ...] = (),
+    branches: Sequence[Branch] = (),
+    stacked: Sequence[bool] | None = None,
 ) -> Layout:
-    """Assign frames and offsets: packed leaves first (frame 0 if any), then one frame each."""
-    specs = list(leaf_specs)
-    packed_nbytes = 0
-    placed: list[tuple[Any, int]] = []
-    for key, dtype, shape, own in specs:
-        nbytes = _nbytes(dtype, shape)
-        if not own:
-            packed_nbytes = -(-packed_nbytes // _ALIGN) * _ALIGN
-            placed.append(((key, dtype, shape, own, nbytes), packed_nbytes))
-            packed_nbytes += nbytes
-        else:
-            placed.append(((key, dtype, shape, own, nbytes), -1))
-    has_packed = any(not own for _, _, _, own in specs)
-    frame_sizes = [packed_nbytes] if has_packed else []
-    leaves = []
-    for (key, dtype, shape, own, nbytes), offset in placed:
-        if own:
-            frame_sizes.append(nbytes)
-            leaves.append(Leaf(key, dtype, shape, True, len(frame_sizes) - 1, 0, nbytes))
-        else:
-            leaves.append(Leaf(key, dtype, shape, False, 0, offset, nbytes))
+    """Assign frames and offsets (packed leaves first, in frame 0 if any, then one frame
+    each) and check that the keys, shapes and batch sizes make a tensordict."""
+    leaves, packed_nbytes, frame_sizes = _place(leaf_specs)
+    stacked = tuple(stacked) if stacked is not None else (False,) * len(nontensor_keys)
+    deepest_first = tuple(sorted(branches, key=lambda branch: -len(branch[0])))
+    nontensor_batches = _check_tree(
+        tuple(batch_size), leaves, nontensor_keys, deepest_first, stacked
+    )
     return Layout(
-        tuple(batch_size), tuple(leaves), nontensor_keys, packed_nbytes, tuple(frame_sizes)
+        tuple(batch_size),
+        leaves,
+        nontensor_keys,
+        packed_nbytes,
+        frame_sizes,
+        deepest_first,
+        stacked,
+        nontensor_batches,
     )
 
 
+def _place(
+    specs: Iterable[tuple[Key, torch.dtype, tuple[int, ...], bool]],
+) -> tuple[tuple[Leaf, ...], int, tuple[int, ...]]:
+    packed_nbytes, own, placed = 0, [], list[Leaf]()
+    for key, dtype, shape, own_frame in specs:
+        nbytes = _nbytes(dtype, shape)
+        if own_frame:
+            own.append(len(placed))
+            placed.append(Leaf(key, dtype, shape, True, -1, 0, nbytes))
+            continue
+        packed_nbytes = -(-packed_nbytes // _ALIGN) * _ALIGN
+        placed.append(Leaf(key, dtype, shape, False, 0, packed_nbytes, nbytes))
+        packed_nbytes += nbytes
+    frame_sizes = [packed_nbytes] if len(own) < len(placed) else []
+    for index in own:
+        frame_sizes.append(placed[index].nbytes)
+        placed[index] = dataclasses.replace(placed[index], frame=len(frame_sizes) - 1)
+    if max(frame_sizes, default=0) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a frame of more than {MAX_FRAME_BYTES} bytes")
+    return tuple(placed), packed_nbytes, tuple(frame_sizes)
+
+
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    _check_extent(shape, "leaf shape")
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > MAX_LEAF_BYTES:
         raise ProtocolError(f"a leaf of {nbytes} bytes exceeds the {MAX_LEAF_BYTES} byte limit")
     return nbytes
+
+
+def _check_tree(
+    batch_size: tuple[int, ...],
+    leaves: tuple[Leaf, ...],
+    nontensor_keys: tuple[Key, ...],
+    branches: tuple[Branch, ...],
+    stacked: tuple[bool, ...],
+) -> tuple[tuple[int, ...], ...]:
+    """Refuse what no tensordict can be; the batch size each non-tensor key lives in."""
+    owners = dict(branches)
+    if len(owners) != len(branches) or len(stacked) != len(nontensor_keys):
+        raise ProtocolError("a nested tensordict appears twice, or stack flags do not match")
+    _check_prefix_free(sorted([leaf.key for leaf in leaves] + [*nontensor_keys, *owners]), owners)
+    for key, batch in branches:
+        _check_starts_with(batch, _batch_of(key, owners, batch_size), key, "batch size")
+    for leaf in leaves:
+        _check_starts_with(leaf.shape, _batch_of(leaf.key, owners, batch_size), leaf.key, "shape")
+    batches = tuple(_batch_of(key, owners, batch_size) for key in nontensor_keys)
+    for key, batch, is_stack in zip(nontensor_keys, batches, stacked, strict=True):
+        if is_stack and (not batch or 0 in batch):
+            raise ProtocolError(f"non-tensor stack {'/'.join(key)} needs a non-empty batch")
+    return batches
+
+
+def _check_prefix_free(paths: list[Key], branches: Mapping[Key, Any]) -> None:
+    # Sorted, a path is directly followed by the paths it is a prefix of (if any).
+    for a, b in itertools.pairwise(paths):
+        if a == b:
+            raise ProtocolError(f"key {'/'.join(a)} appears twice")
+        if b[: len(a)] == a and a not in branches:
+            raise ProtocolError(f"key {'/'.join(a)} is both a leaf and a branch")
+
+
+def _batch_of(
+    key: Key, branches: Mapping[Key, tuple[int, ...]], root: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The batch size of the tensordict ``key`` lives in: its deepest declared ancestor's."""
+    for depth in range(len(key) - 1, 0, -1):
+        batch = branches.get(key[:depth])
+        if batch is not None:
+            return batch
+    return root
+
+
+def _check_starts_with(shape: tuple[int, ...], batch: tuple[int, ...], key: Key, what: str) -> None:
+    if shape[: len(batch)] != batch:
+        raise ProtocolError(
+            f"{what} {list(shape)} of {'/'.join(key)} does not start with its batch size "
+            f"{list(batch)}"
+        )
+
+
+def layout_of(td: TensorDictBase) -> Layout:
+    """The layout of ``td`` with every leaf packed: what :func:`max_message_bytes` sizes.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> layout_of(TensorDict({"obs": torch.zeros(84, 84, 3)}, [])).packed_nbytes
+        84672
+    """
+    flat = _flatten(td)
+    specs = [(key, t.dtype, tuple(t.shape), False) for key, t in flat.tensors]
+    return build_layout(
+        tuple(td.batch_size), specs, tuple(flat.nontensor_keys), flat.branches, flat.stacked
+    )
+
+
+def max_message_bytes(layouts: Iterable[Layout], headroom: float = 2.0) -> int:
+    """A ZMQ ``MAXMSGSIZE`` (a per-frame limit) for a peer that sends these layouts.
+
+    The largest frame such a peer can send is its header (at most
+    :data:`MAX_HEADER_BYTES`) or a tensor frame, and no tensor frame is larger
+    than all of a layout's leaves packed, whatever the zero-copy threshold.
+    ``headroom`` multiplies the latter: a frame over the limit disconnects the
+    peer and loses its reply, so the limit must not be tight (an env may return
+    leaves its spec does not declare). Layouts of specs: ``layout_of(spec.zero())``.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> image = layout_of(TensorDict({"pixels": torch.zeros(3, 1024, 1024)}, []))
+        >>> max_message_bytes([image]) == 2 * 3 * 1024 * 1024 * 4
+        True
+        >>> max_message_bytes([]) == MAX_HEADER_BYTES
+        True
+    """
+    largest = max((_all_packed_nbytes(layout) for layout in layouts), default=0)
+    return max(MAX_HEADER_BYTES, math.ceil(largest * headroom))
+
+
+def _all_packed_nbytes(layout: Layout) -> int:
+    return sum(-(-leaf.nbytes // _ALIGN) * _ALIGN for leaf in layout.leaves)
 
 
 # ---------------------------------------------------------------- encoding
@@ -352,53 +531,73 @@ class Encoder:
         self._announced.clear()
 
     def encode(self, td: TensorDictBase) -> EncodedPart:
-        tensors, nontensor_keys, nontensor_values = _flatten(td)
+        flat = _flatten(td)
         signature = (
             tuple(td.batch_size),
-            tuple((key, t.dtype, tuple(t.shape)) for key, t in tensors),
-            nontensor_keys,
+            tuple((key, t.dtype, tuple(t.shape)) for key, t in flat.tensors),
+            tuple(flat.nontensor_keys),
+            tuple(flat.stacked),
+            tuple(flat.branches),
         )
-        layout_id, layout = self._layout_for(signature, tensors, nontensor_keys, td.batch_size)
+        layout_id, layout = self._layout_for(signature, flat, td.batch_size)
         new = None
         if layout_id not in self._announced:
             self._announced.add(layout_id)
             new = layout.to_data()
-        frames = _pack(layout, [t for _, t in tensors])
-        return EncodedPart(layout_id, new, frames, nontensor_values or None)
+        frames = _pack(layout, [t for _, t in flat.tensors])
+        values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
+        return EncodedPart(layout_id, new, frames, values or None)
 
-    def _layout_for(self, signature, tensors, nontensor_keys, batch_size) -> tuple[int, Layout]:
+    def _layout_for(self, signature, flat: _Flat, batch_size) -> tuple[int, Layout]:
         known = self._ids.get(signature)
         if known is not None:
             return known
         specs = [
             (key, t.dtype, tuple(t.shape), t.numel() * t.element_size() >= self.zero_copy_threshold)
-            for key, t in tensors
+            for key, t in flat.tensors
         ]
-        layout = build_layout(tuple(batch_size), specs, nontensor_keys)
+        layout = build_layout(
+            tuple(batch_size), specs, tuple(flat.nontensor_keys), flat.branches, flat.stacked
+        )
         known = (len(self._ids), layout)
         self._ids[signature] = known
         return known
 
 
-def _flatten(td: TensorDictBase) -> tuple[list, tuple, list]:
-    tensors: list[tuple[tuple[str, ...], torch.Tensor]] = []
-    nontensor_keys: list[tuple[str, ...]] = []
-    nontensor_values: list[Any] = []
-    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
-        path = (key,) if isinstance(key, str) else tuple(key)
+@dataclasses.dataclass(slots=True)
+class _Flat:
+    """A tensordict's leaves in key order, and what its tree needs beyond their keys."""
+
+    tensors: list[tuple[Key, torch.Tensor]] = dataclasses.field(default_factory=list)
+    nontensor_keys: list[Key] = dataclasses.field(default_factory=list)
+    nontensor: list[Any] = dataclasses.field(default_factory=list)
+    stacked: list[bool] = dataclasses.field(default_factory=list)
+    branches: list[Branch] = dataclasses.field(default_factory=list)
+
+
+def _flatten(td: TensorDictBase) -> _Flat:
+    flat = _Flat()
+    _walk(td, (), tuple(td.batch_size), flat)
+    return flat
+
+
+def _walk(td: TensorDictBase, prefix: Key, batch: tuple[int, ...], flat: _Flat) -> None:
+    for name, value in td.items():
+        key = (*prefix, name)
         if isinstance(value, torch.Tensor):
-            tensors.append((path, value))
-        else:
-            nontensor_keys.append(path)
-            nontensor_values.append(_plain(value, path))
-    return tensors, tuple(nontensor_keys), nontensor_values
+            flat.tensors.append((key, value))
+        elif isinstance(value, (NonTensorData, NonTensorStack)):
+            flat.nontensor_keys.append(key)
+            flat.nontensor.append(value)
+            flat.stacked.append(isinstance(value, NonTensorStack))
+        else:  # a nested tensordict
+            sub = tuple(value.batch_size)
+            if sub != batch or not value.keys():
+                flat.branches.append((key, sub))
+            _walk(value, key, sub, flat)
 
 
-def _is_leaf(cls: type) -> bool:
-    return issubclass(cls, torch.Tensor) or issubclass(cls, (NonTensorData, NonTensorStack))
-
-
-def _plain(value: Any, path: tuple[str, ...]) -> Any:
+def _plain(value: Any, path: Key) -> Any:
     data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
     try:
         msgpack.packb(data, use_bin_type=True)
@@ -436,7 +635,11 @@ def _as_bytes_view(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+    # resolve_*: a lazily conjugated or negated view must travel as its values.
+    flat = tensor.resolve_conj().resolve_neg().reshape(-1)
+    if flat.stride(0) != 1:  # one or no element: reshape keeps a stride view() refuses
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
@@ -474,11 +677,14 @@ class DecodedPart:
 class Decoder:
     """Turns frames back into tensors, checking them against the known layouts.
 
-    One decoder per connection; its layouts are those the peer announced.
+    One decoder per connection; its layouts are those the peer announced. A
+    layout with a frame larger than ``max_frame_bytes`` is refused when it is
+    announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive).
     """
 
-    def __init__(self, max_layouts: int = 256) -> None:
+    def __init__(self, max_layouts: int = 256, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.max_layouts = max_layouts
+        self.max_frame_bytes = max_frame_bytes
         self._layouts: dict[int, Layout] = {}
 
     def forget(self) -> None:
@@ -496,7 +702,16 @@ class Decoder:
                 raise ProtocolError(f"bad layout id {layout_id!r}")
             if layout_id not in self._layouts and len(self._layouts) >= self.max_layouts:
                 raise ProtocolError(f"peer announced more than {self.max_layouts} layouts")
-            self._layouts[layout_id] = Layout.from_data(data)
+            self._layouts[layout_id] = self._checked(Layout.from_data(data))
+
+    def _checked(self, layout: Layout) -> Layout:
+        largest = max(layout.frame_sizes, default=0)
+        if largest > self.max_frame_bytes:
+            raise ProtocolError(
+                f"layout has a frame of {largest} bytes; this connection takes at most "
+                f"{self.max_frame_bytes}"
+            )
+        return layout
 
     def decode(self, header: Header, frames: Sequence[Any]) -> list[DecodedPart]:
         """Split ``frames`` (all frames after the header) into the header's parts."""
@@ -529,12 +744,36 @@ def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> l
     for values, layout in zip(lists, layouts, strict=True):
         if not isinstance(values, list) or len(values) != len(layout.nontensor_keys):
             raise ProtocolError("non-tensor values do not match the layout's keys")
+        if any(layout.stacked):
+            _check_stacks(layout, values)
     return lists
+
+
+def _check_stacks(layout: Layout, values: list[Any]) -> None:
+    stacks = zip(
+        layout.nontensor_keys, layout.nontensor_batches, layout.stacked, values, strict=True
+    )
+    for key, batch, stacked, value in stacks:
+        if stacked and not _has_shape(value, batch):
+            raise ProtocolError(
+                f"non-tensor stack {'/'.join(key)} must be nested lists of shape {list(batch)}"
+            )
+
+
+def _has_shape(value: Any, shape: tuple[int, ...]) -> bool:
+    if not shape:
+        return True
+    if not isinstance(value, list) or len(value) != shape[0]:
+        return False
+    return all(_has_shape(item, shape[1:]) for item in value)
 
 
 def _buffer(frame: Any) -> memoryview:
     buffer = getattr(frame, "buffer", frame)
-    return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+    try:
+        return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+    except TypeError:
+        raise ProtocolError(f"a frame must be bytes, not {type(frame).__name__}") from None
 
 
 def _unpack(layout: Layout, frames: Sequence[Any]) -> list[torch.Tensor]:
@@ -561,37 +800,67 @@ def _as_uint8(buffer: memoryview) -> torch.Tensor:
 
 
 def tensordict_from_leaves(
-    layout: Layout, tensors: Sequence[torch.Tensor], nontensor: Sequence[Any], batch_dims: int = 0
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    nontensor: Sequence[Any],
+    lead: tuple[int, ...] = (),
 ) -> TensorDict:
-    """A TensorDict with ``layout``'s keys; ``batch_dims`` extra leading dims (stacked)."""
-    lead = tuple(tensors[0].shape[:batch_dims]) if tensors and batch_dims else ()
+    """A TensorDict with ``layout``'s keys; ``lead``: extra leading dims (a stack of parts).
+
+    ``nontensor`` holds one value per non-tensor key, already shaped (a
+    ``NonTensorData``/``NonTensorStack``) when ``lead`` is given.
+    """
     nested: dict[str, Any] = {}
     for leaf, tensor in zip(layout.leaves, tensors, strict=True):
         _insert(nested, leaf.key, tensor)
+    for key, batch in layout.branches:  # deepest first: children exist before parents
+        _insert(nested, key, TensorDict(_pop_branch(nested, key), batch_size=lead + batch))
     td = TensorDict(nested, batch_size=lead + layout.batch_size)
-    for key, value in zip(layout.nontensor_keys, nontensor, strict=True):
-        td.set_non_tensor(key, value)
+    for i, (key, value) in enumerate(zip(layout.nontensor_keys, nontensor, strict=True)):
+        if lead:
+            td.set(key, value)
+        elif layout.stacked[i]:
+            td.set(key, _nontensor_stack(value, len(layout.nontensor_batches[i])))
+        else:
+            td.set_non_tensor(key, value)
     return td
 
 
-def _insert(nested: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+def _insert(nested: dict[str, Any], key: Key, value: Any) -> None:
+    # The layout was checked to be a tree (_check_tree): no key collides.
     for part in key[:-1]:
         nested = nested.setdefault(part, {})
-        if not isinstance(nested, dict):
-            raise ProtocolError(f"key {'/'.join(key)} is both a leaf and a branch")
-    if key[-1] in nested:
-        raise ProtocolError(f"key {'/'.join(key)} appears twice")
     nested[key[-1]] = value
+
+
+def _pop_branch(nested: dict[str, Any], key: Key) -> dict[str, Any]:
+    for part in key[:-1]:
+        nested = nested.setdefault(part, {})
+    return nested.pop(key[-1], {})
+
+
+def _nontensor_stack(value: Any, depth: int) -> NonTensorStack:
+    """Nested lists, ``depth`` levels deep, as a NonTensorStack (items may be lists too)."""
+    if depth == 1:
+        return NonTensorStack(*value)
+    return NonTensorStack(*(_nontensor_stack(item, depth - 1) for item in value))
 
 
 def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:
     """Stack parts of one layout into a batch: one ``torch.stack`` per leaf, one TensorDict."""
     layout = parts[0].layout
     stacked = [torch.stack([p.tensors[i] for p in parts]) for i in range(len(layout.leaves))]
-    td = tensordict_from_leaves(layout, stacked, [], batch_dims=1) if stacked else None
-    if td is None:
-        td = TensorDict({}, batch_size=(len(parts), *layout.batch_size))
-    for i, key in enumerate(layout.nontensor_keys):
-        td.set_non_tensor(key, None)
-        td.set(key, NonTensorStack(*(p.nontensor[i] for p in parts)))
-    return td
+    values = [
+        _stack_values(layout, i, [p.nontensor[i] for p in parts])
+        for i in range(len(layout.nontensor_keys))
+    ]
+    return tensordict_from_leaves(layout, stacked, values, lead=(len(parts),))
+
+
+def _stack_values(layout: Layout, index: int, values: list[Any]) -> NonTensorStack:
+    batch = layout.nontensor_batches[index]
+    if layout.stacked[index]:
+        return NonTensorStack(*(_nontensor_stack(v, len(batch)) for v in values))
+    if batch:
+        return NonTensorStack(*(NonTensorData(v, batch_size=batch) for v in values))
+    return NonTensorStack(*values)

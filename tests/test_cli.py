@@ -1,0 +1,220 @@
+"""The ``zmqpool`` command: help texts, keygen, the demo (real processes, bounded waits).
+
+Every ``python`` start imports torch (a few seconds on a 2-core machine), so
+the short commands are started all at once and awaited together.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from zmqpool import cli
+from zmqpool.demo import DEFAULT_ENV, EnvTally
+
+#: A short command (help, keygen) imports torch and exits; a loaded machine gets slack.
+SHORT_TIMEOUT_S = 180
+#: The demo builds a pool (each worker imports torchrl), steps it and closes it.
+DEMO_TIMEOUT_S = 150
+
+pytestmark = pytest.mark.timeout(2 * DEMO_TIMEOUT_S)
+
+
+def console_script() -> str:
+    """The installed ``zmqpool`` entry point (next to this interpreter, or on PATH)."""
+    beside = Path(sys.executable).with_name("zmqpool")
+    found = str(beside) if beside.exists() else shutil.which("zmqpool")
+    if found is None:
+        pytest.fail("the zmqpool console script is not installed: pip install -e .")
+    return found
+
+
+def run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+HELP_COMMANDS = {
+    "zmqpool": [],
+    "demo": ["demo"],
+    "worker": ["worker"],
+    "keygen": ["keygen"],
+    "bench": ["bench"],
+}
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("keygen") / "keys"
+
+
+@pytest.fixture(scope="module")
+def short_runs(keys_dir: Path) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+    """Start every help command and one keygen at once; yield name -> finished process."""
+    exe = console_script()
+    argvs = {f"help:{k}": [exe, *v, "--help"] for k, v in HELP_COMMANDS.items()}
+    argvs["keygen"] = [sys.executable, "-m", "zmqpool", "keygen", str(keys_dir), "--workers", "2"]
+    procs = {
+        name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, argv in argvs.items()
+    }
+    try:
+        yield {name: _finish(p, argvs[name]) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def _finish(proc: subprocess.Popen, argv: list[str]) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=SHORT_TIMEOUT_S)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("name", [f"help:{k}" for k in HELP_COMMANDS])
+def test_help_exits_zero(short_runs, name):
+    proc = short_runs[name]
+    assert proc.returncode == 0, explain(proc)
+    assert "usage:" in proc.stdout.lower()
+
+
+def test_top_level_help_lists_every_subcommand(short_runs):
+    for command in ("demo", "worker", "keygen", "bench"):
+        assert command in short_runs["help:zmqpool"].stdout
+
+
+def test_worker_help_is_the_workers_command(short_runs):
+    out = short_runs["help:worker"].stdout
+    assert "--connect" in out and "--env" in out
+
+
+KEY_FILES = sorted(
+    [
+        "authorized",
+        "authorized/worker-0.key",
+        "authorized/worker-1.key",
+        "server.key",
+        "server.key_secret",
+        "workers",
+        *(f"workers/worker-{i}.{ext}" for i in (0, 1) for ext in ("key", "key_secret")),
+    ]
+)
+
+
+def test_keygen_writes_private_loadable_keys(short_runs, keys_dir):
+    proc = short_runs["keygen"]
+    assert proc.returncode == 0, explain(proc)
+    assert str(keys_dir) in proc.stdout
+    assert sorted(str(p.relative_to(keys_dir)) for p in keys_dir.rglob("*")) == KEY_FILES
+    for directory in (keys_dir, keys_dir / "workers", keys_dir / "authorized"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    for base in ("server", "workers/worker-0", "workers/worker-1"):
+        public, secret = keys_dir / f"{base}.key", keys_dir / f"{base}.key_secret"
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+        pub_key, no_secret = zmq.auth.load_certificate(public)
+        same_pub, secret_key = zmq.auth.load_certificate(secret)
+        assert no_secret is None and secret_key is not None
+        assert pub_key == same_pub and len(pub_key) == 40 and len(secret_key) == 40
+
+
+def test_keygen_authorizes_exactly_the_workers(short_runs, keys_dir):
+    assert short_runs["keygen"].returncode == 0
+    for i in (0, 1):
+        allowed, _ = zmq.auth.load_certificate(keys_dir / "authorized" / f"worker-{i}.key")
+        own, _ = zmq.auth.load_certificate(keys_dir / "workers" / f"worker-{i}.key_secret")
+        assert allowed == own
+
+
+# ---------------------------------------------------------------- in-process, no torch start-up
+
+
+def test_keygen_refuses_to_overwrite_without_force(tmp_path, capsys):
+    keys = tmp_path / "k"
+    assert cli.main(["keygen", str(keys), "--workers", "3"]) == 0
+    before = (keys / "server.key_secret").read_text()
+    assert cli.main(["keygen", str(keys)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (keys / "server.key_secret").read_text() == before
+    assert cli.main(["keygen", str(keys), "--force"]) == 0
+    assert (keys / "server.key_secret").read_text() != before
+    # Fewer workers now: the keys of the others are no longer accepted.
+    assert sorted(p.name for p in (keys / "authorized").iterdir()) == ["worker-0.key"]
+
+
+def test_keygen_refuses_a_directory_others_can_read(tmp_path, capsys):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o755)
+    assert cli.main(["keygen", str(open_dir)]) == 2
+    assert "0755" in capsys.readouterr().err
+    assert list(open_dir.iterdir()) == []
+
+
+def test_demo_rejects_a_bad_env_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--env", "no_such_module_xyz:make"])
+    assert exit_info.value.code == 2
+    assert "no_such_module_xyz" in capsys.readouterr().err
+
+
+def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "scripts" / "bench.py")
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+
+
+def test_cli_and_demo_agree_on_the_default_env():
+    assert cli.DEFAULT_ENV == DEFAULT_ENV
+
+
+def test_env_tally_counts_episodes_and_returns():
+    tally = EnvTally()
+    for done in (False, False, True, False, True):
+        tally.record(1.0, done, truncated=False)
+    assert (tally.steps, tally.episodes, tally.mean_return) == (5, 2, 2.5)
+    assert tally.episode_return == 0.0
+
+
+# ---------------------------------------------------------------- the demo, for real
+
+
+def demo(*extra: str) -> subprocess.CompletedProcess:
+    argv = [console_script(), "demo", "--num-envs", "2", "--no-progress", *extra]
+    return run(argv, DEMO_TIMEOUT_S)
+
+
+def per_env_steps(stdout: str) -> dict[int, int]:
+    """``env steps episodes ...`` rows of the report, as env -> steps."""
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+\d+\s+\S+\s+\d+\s*$", stdout, flags=re.M)
+    return {int(env): int(steps) for env, steps in rows}
+
+
+def test_demo_runs_and_reports_throughput_and_per_env_lines():
+    proc = demo("--steps", "200")
+    assert proc.returncode == 0, explain(proc)
+    rate = re.search(r"200 env-steps in [\d.]+ s: ([\d,]+) env-steps/s", proc.stdout)
+    assert rate and int(rate.group(1).replace(",", "")) > 0, proc.stdout
+    steps = per_env_steps(proc.stdout)
+    assert set(steps) == {0, 1} and sum(steps.values()) == 200, proc.stdout
+
+
+# Depends on the pool's hot restart (commit 11dc24a): a dead worker is
+# restarted and its in-flight request answered with a truncation.
+def test_demo_kill_one_shows_the_restart():
+    proc = demo("--steps", "400", "--kill-one", "--timeout", "60")
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"killed worker \S+ \(pid \d+\) with SIGKILL", proc.stdout), proc.stdout
+    assert re.search(r"worker \S+ restarted: pid \d+", proc.stdout), proc.stdout
+    assert re.search(r"worker restarts: [1-9]", proc.stdout), proc.stdout
+    assert sum(per_env_steps(proc.stdout).values()) == 400, proc.stdout

@@ -1,0 +1,269 @@
+"""Workers on another "machine" (a network namespace) over TCP with CURVE: refusals, rejoins.
+
+The mixed local+remote pool also runs every test of test_pool_api.py and
+test_stress.py (the ``pool`` fixture's ``mixed`` parameter).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from tensordict import TensorDict
+
+from tests.conftest import start_remote_worker, stop
+from tests.netns import free_port_base
+from zmqpool import EnvLostError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
+from zmqpool.security import ClientKeys, make_client
+from zmqpool.wire import Command
+
+BEATS = PoolConfig(
+    register_timeout_s=90.0,
+    close_timeout_s=2.0,
+    heartbeat_interval_s=0.2,
+    heartbeat_liveness=5,
+    rejoin_timeout_s=30.0,
+)
+FAST_BEATS = ("--heartbeat-interval", "0.2")
+
+
+def remote_pool(host, port, keys, config=BEATS, **kwargs) -> ZMQAsyncEnvPool:
+    return ZMQAsyncEnvPool(
+        [],
+        remote_envs=kwargs.pop("remote_envs", 1),
+        bind=f"tcp://{host.pool_ip}:{port}",
+        curve_keys=keys,
+        config=config,
+        **kwargs,
+    )
+
+
+def step(pool, envs, value=0.5):
+    pool.async_step_send(
+        TensorDict({"action": torch.full((len(envs), 1), value)}, [len(envs)]), env_index=envs
+    )
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=10)
+    return [int(p) for p in out.stdout.split()]
+
+
+def ns_children(worker: subprocess.Popen) -> list[int]:
+    """The env processes of a remote supervisor (under `ip netns exec`, one level deeper)."""
+    kids = children(worker.pid)
+    return [grandchild for kid in kids for grandchild in children(kid)] or kids
+
+
+@pytest.fixture(scope="module")
+def guarded(remote_host, key_dir):
+    """A remote-only pool with one slot, filled by an authorized worker."""
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = remote_pool(remote_host, port, key_dir)
+    yield pool, port
+    pool.close()
+    stop(worker)
+
+
+def test_tcp_without_keys_needs_an_explicit_opt_out(caplog):
+    with pytest.raises(ValueError, match="insecure=True"):
+        ZMQAsyncEnvPool([], remote_envs=1, bind="tcp://127.0.0.1:5999")
+    with pytest.raises(ValueError, match="remote_envs needs bind"):
+        ZMQAsyncEnvPool([], remote_envs=1)
+
+
+def test_a_worker_whose_key_is_not_listed_cannot_connect(guarded, remote_host, key_dir):
+    pool, port = guarded
+    intruder = start_remote_worker(
+        remote_host,
+        port,
+        key_dir,
+        key=2,  # not in authorized/
+        extra=("--single-process", "--register-timeout", "3", "--identity", "intruder"),
+    )
+    _, err = intruder.communicate(timeout=60)
+    assert intruder.returncode == 2
+    assert "authorized" in err
+    assert b"intruder" not in pool._broker.workers
+    assert pool.reset()["observation"].shape == (1, 4)  # the pool carries on
+
+
+def test_a_worker_with_other_specs_is_refused_on_both_sides(guarded, remote_host, key_dir, caplog):
+    pool, port = guarded
+    with caplog.at_level(logging.WARNING, logger="zmqpool"):
+        odd = start_remote_worker(
+            remote_host,
+            port,
+            key_dir,
+            key=1,
+            kwargs={"obs_shape": [5]},
+            extra=("--single-process", "--register-timeout", "30"),
+        )
+        # The pool answers registrations while its trainer calls it: keep calling.
+        deadline = time.monotonic() + 60
+        while odd.poll() is None and time.monotonic() < deadline:
+            pool.reset()
+            time.sleep(0.05)
+        _, err = odd.communicate(timeout=10)
+    assert odd.returncode == 2
+    assert "spec mismatch" in err and "observation" in err
+    assert "refused worker" in caplog.text and "spec mismatch" in caplog.text
+
+
+def test_a_protocol_version_mismatch_is_refused_with_a_reason(guarded, remote_host, key_dir):
+    pool, port = guarded
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.linger = 0
+        keys = ClientKeys.from_files(
+            str(key_dir / "server.key"), str(key_dir / "workers" / "worker-0.key_secret")
+        )
+        make_client(dealer, keys)
+        dealer.connect(f"tcp://{remote_host.pool_ip}:{port}")
+        dealer.send(msgpack.packb([99, int(Command.REGISTER), -1, 0, b"", [], {"reg": {}}]))
+        for _ in range(100):  # the pool answers while it pumps: let it pump
+            pool.reset()
+            if dealer.poll(50):
+                break
+        reply = msgpack.unpackb(dealer.recv(), raw=False)
+    finally:
+        context.destroy(linger=0)
+    assert reply[1] == int(Command.REFUSE)
+    assert "version 99" in reply[6]["err"]
+
+
+def test_construction_names_the_missing_remote_envs_and_the_endpoint(remote_host, key_dir):
+    port = free_port_base(remote_host.pool_ip)
+    config = PoolConfig(register_timeout_s=2.0)
+    with pytest.raises(RegistrationError) as info:
+        remote_pool(remote_host, port, key_dir, config=config)
+    assert "[0]" in str(info.value) and f"{remote_host.pool_ip}:{port}" in str(info.value)
+
+
+def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote_host, key_dir):
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(
+        remote_host, port, key_dir, kwargs={"step_sleep_s": [0.5, 0.5]}, extra=FAST_BEATS
+    )
+    pool = remote_pool(remote_host, port, key_dir)
+    try:
+        pool.reset()
+        step(pool, [0])
+        time.sleep(0.1)  # the step is now running in the remote process
+        killed_at = time.monotonic()
+        for pid in ns_children(worker):
+            os.kill(pid, signal.SIGKILL)
+        out = pool.async_step_recv(min_get=1, timeout=60)
+        rejoin_s = time.monotonic() - killed_at
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+        print(f"\nremote kill -> rejoin -> truncation: {rejoin_s:.2f} s")
+    finally:
+        pool.close()
+        stop(worker)
+
+
+def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_host, key_dir):
+    port = free_port_base(remote_host.pool_ip)
+    first = start_remote_worker(
+        remote_host, port, key_dir, kwargs={"step_sleep_s": [0.5, 0.5]}, extra=FAST_BEATS
+    )
+    pool = remote_pool(remote_host, port, key_dir)
+    replacement = None
+    try:
+        pool.reset()
+        step(pool, [0])
+        first.kill()  # the whole host goes away: supervisor and env process
+        for pid in ns_children(first):
+            os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        replacement = start_remote_worker(remote_host, port, key_dir, key=1, extra=FAST_BEATS)
+        out = pool.async_step_recv(min_get=1, timeout=90)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        assert "silent" in pool.stats()[0]["last_restart_cause"]
+    finally:
+        pool.close()
+        for process in (first, replacement):
+            if process is not None:
+                stop(process)
+
+
+def test_envs_are_reported_lost_when_nobody_rejoins_in_time(remote_host, key_dir):
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(
+        remote_host, port, key_dir, kwargs={"step_sleep_s": [0.5, 0.5]}, extra=FAST_BEATS
+    )
+    config = PoolConfig(
+        register_timeout_s=90.0,
+        heartbeat_interval_s=0.2,
+        heartbeat_liveness=5,
+        rejoin_timeout_s=1.0,
+    )
+    pool = remote_pool(remote_host, port, key_dir, config=config)
+    try:
+        pool.reset()
+        step(pool, [0])
+        for pid in ns_children(worker):
+            os.kill(pid, signal.SIGKILL)
+        worker.kill()
+        worker.wait(timeout=10)
+        with pytest.raises(EnvLostError) as info:
+            pool.async_step_recv(min_get=1, timeout=60)
+        assert info.value.env_indices == [0] and "rejoined" in str(info.value)
+        with pytest.raises(EnvLostError):
+            step(pool, [0])
+    finally:
+        pool.close()
+        stop(worker)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    from zmqpool import ZMQAsyncEnvPool, PoolConfig
+    config = PoolConfig(heartbeat_interval_s=0.2, heartbeat_liveness=5, register_timeout_s=90)
+    pool = ZMQAsyncEnvPool([], remote_envs=1, bind=sys.argv[1], curve_keys=sys.argv[2],
+                           config=config)
+    pool.reset()
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_restarted_trainer_picks_its_waiting_workers_up_again(remote_host, key_dir, tmp_path):
+    port = free_port_base(remote_host.pool_ip)
+    bind = f"tcp://{remote_host.pool_ip}:{port}"
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), bind, str(key_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
+        trainer.kill()  # the trainer dies without closing anything
+        trainer.wait(timeout=10)
+        restarted_at = time.monotonic()
+        pool = remote_pool(remote_host, port, key_dir)  # a new trainer on the same address
+        rejoin_s = time.monotonic() - restarted_at
+        step(pool, [0])
+        out = pool.async_step_recv(min_get=1, timeout=60)
+        assert out["next", "observation"][0, 0] == 0  # the same remote env, stepping again
+        pool.close()
+        print(f"\ntrainer restart -> remote worker registered again: {rejoin_s:.2f} s")
+    finally:
+        trainer.kill()
+        stop(worker)

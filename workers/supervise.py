@@ -1,0 +1,106 @@
+"""A remote host's supervisor: K env processes, each restarted when it dies.
+
+``python -m workers --connect tcp://HOST:PORT --env pkg.mod:make --num-envs K``
+runs this: it imports torch and torchrl once, then forks one worker process
+per env (fast, like the pool's fork server). Each child has a stable
+identity, ``<host>-<supervisor pid>-<k>``, so when it crashes and is forked
+again it rejoins the pool as the same worker: the pool answers its requests
+in flight with truncations, as for a local restart. A child refused by the
+pool (exit code 2: wrong specs, no free slot) is not restarted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("workers")
+
+REFUSED = 2
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL us when ``parent_pid`` dies, so no worker outlives its parent."""
+    if parent_pid is None or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_BACKOFF_S = (0.05, 5.0)
+
+
+class Supervisor:
+    """Forks ``count`` children running ``run_child(k)`` and keeps them alive."""
+
+    def __init__(self, count: int, run_child: Callable[[int, bytes], int]) -> None:
+        self.count = count
+        self.run_child = run_child
+        self.children: dict[int, int] = {}  # pid -> k
+        self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
+        self.stopping = False
+
+    def identity(self, k: int) -> bytes:
+        return f"{socket.gethostname()}-{os.getpid()}-{k}".encode()
+
+    def start(self, k: int) -> None:
+        identity = self.identity(k)
+        supervisor = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                die_with_parent(supervisor)  # no orphan env process if the supervisor dies
+                code = self.run_child(k, identity)
+            finally:
+                os._exit(code)
+        self.children[pid] = k
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for k in range(self.count):
+            self.start(k)
+        while self.children and not self.stopping:
+            self._reap_one()
+        self._kill_all()
+        return 0
+
+    def _reap_one(self) -> None:
+        try:
+            pid, status = os.wait()
+        except (ChildProcessError, InterruptedError):
+            return
+        k = self.children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if k is None or self.stopping:
+            return
+        if code == REFUSED:
+            log.error("env process %d was refused by the pool; not restarting it", k)
+            return
+        delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
+        self.deaths[k] = self.deaths.get(k, 0) + 1
+        log.warning("env process %d (pid %d) ended (%d); restarting in %.2f s", k, pid, code, delay)
+        time.sleep(delay)
+        self.start(k)
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _kill_all(self) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
