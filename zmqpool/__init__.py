@@ -9,7 +9,8 @@ Example:
     >>> pool.close()
 """
 
-from zmqpool.config import PoolConfig
+from typing import TYPE_CHECKING, Any
+
 from zmqpool.errors import (
     CrashLoopError,
     EnvError,
@@ -21,7 +22,23 @@ from zmqpool.errors import (
     VersionMismatchError,
     ZMQPoolError,
 )
-from zmqpool.pool import ZMQAsyncEnvPool
+
+if TYPE_CHECKING:
+    from zmqpool.config import PoolConfig
+    from zmqpool.pool import ZMQAsyncEnvPool
+
+#: Imported on first use: they pull in torch and torchrl (seconds), which the
+#: CLI's --help and keygen do not need.
+_LAZY = {"PoolConfig": "zmqpool.config", "ZMQAsyncEnvPool": "zmqpool.pool"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zmqpool' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
