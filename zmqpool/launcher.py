@@ -70,7 +70,27 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-class LocalProcess:
+class _Watched:
+    """What both kinds of worker process share: a pidfd, released once."""
+
+    pidfd: int
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Kill if still alive, reap, and close the pidfd."""
+        self.kill()
+        self.wait(5.0)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class LocalProcess(_Watched):
     """One worker in a fresh interpreter, and the pidfd that says when it exits."""
 
     def __init__(self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None) -> None:
@@ -110,14 +130,6 @@ class LocalProcess:
             return False
         return True
 
-    def release(self) -> None:
-        """Reap the process and close the pidfd (after it exited or was killed)."""
-        self.kill()
-        self.wait(5.0)
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-
 
 def _affinity_setter(cpu_affinity: Sequence[int] | None):
     if cpu_affinity is None:
@@ -151,7 +163,7 @@ def worker_argv(
     ]
 
 
-class ForkedProcess:
+class ForkedProcess(_Watched):
     """A worker forked by the :class:`ForkServer`; the zygote reaps it and reports its status."""
 
     def __init__(self, pid: int, server: ForkServer) -> None:
@@ -177,13 +189,6 @@ class ForkedProcess:
 
     def wait(self, timeout_s: float) -> bool:
         return self._dead(timeout_s)
-
-    def release(self) -> None:
-        self.kill()
-        self.wait(5.0)
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
 
 
 class ForkServer:
