@@ -83,6 +83,11 @@ class Registrar:
             raise RegistrationError(
                 f"worker {identity!r} offers envs {reg.get('envs')}, not {envs}"
             )
+        live = [env for env in envs if self.ledger.slots[env].worker is not None]
+        if live:  # a restart registers only after the death was seen (slot.worker = None)
+            raise RegistrationError(
+                f"worker {identity!r} of envs {live} is registered and alive: refused"
+            )
         for env, spec in zip(envs, reg["specs"], strict=True):
             self._check_spec(env, spec)
         self.incarnations[identity] = incarnation

@@ -7,9 +7,14 @@
                      ROUTER        ◀── REGISTER / FAILED / HEARTBEAT ─ worker DEALER
 
 ``ROUTER_MANDATORY`` is on, so a command to a worker that is not connected
-raises instead of vanishing; ``ROUTER_HANDOVER`` is on, so a restarted worker
-takes its identity back. Local worker processes are watched through pidfds
-polled beside the sockets: a death is seen at once, not after a timeout.
+raises instead of vanishing. ``ROUTER_HANDOVER`` is off: with it, any peer
+presenting a live worker's identity would take over its route; a restarted
+worker registers only after its predecessor's connection is gone. Local
+worker processes are watched through pidfds polled beside the sockets: a
+death is seen at once, not after a timeout. ``MAXMSGSIZE`` is set per
+socket (and, for local workers, per results endpoint) from the layouts the
+worker's specs imply, so an oversized frame is refused by libzmq before it
+is allocated.
 
 The broker only moves frames and keeps the :class:`~zmqpool.state.Ledger`
 true; what to do about a dead worker is the pool's decision, so the broker
@@ -34,8 +39,17 @@ from zmqpool.errors import EnvError, ProtocolError, RegistrationError, VersionMi
 from zmqpool.launcher import WorkerProcess
 from zmqpool.policy import Liveness
 from zmqpool.security import ServerKeys, make_server, start_authenticator
+from zmqpool.specs import spec_from_data
 from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
-from zmqpool.wire import Command, Decoder, Encoder, Header, encode_message
+from zmqpool.wire import (
+    Command,
+    Decoder,
+    Encoder,
+    Header,
+    encode_message,
+    layout_of,
+    max_message_bytes,
+)
 
 log = logging.getLogger("zmqpool")
 
@@ -85,10 +99,15 @@ class Broker:
         self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
         self.router = self._socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # MAXMSGSIZE is per frame and read when an endpoint is bound. Workers send the
+        # ROUTER one-frame control messages only: nothing longer than a header.
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
         self.pull = self._socket(zmq.PULL)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
         self.router_ep = self._bind(self.router, local.router)
         self.results_ep = self._bind(self.pull, local.results)
+        # One local results endpoint per frame limit, bound when a worker first needs it.
+        self.results_eps: dict[int, str] = {max_message_bytes([]): self.results_ep}
         self.auth: Any = None  # the ZAP thread, with CURVE
         self.beacon: Beacon | None = None
         self.tcp: Endpoints | None = None
@@ -114,12 +133,24 @@ class Broker:
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    def results_endpoint(self, limit: int) -> str:
+        """A local results endpoint taking frames of ``limit`` bytes (bound on first need)."""
+        for bound in sorted(self.results_eps):
+            if bound >= limit:
+                return self.results_eps[bound]
+        self.pull.setsockopt(zmq.MAXMSGSIZE, limit)
+        endpoint = self._bind(self.pull, f"{self.results_ep}{len(self.results_eps)}")
+        self.results_eps[limit] = endpoint
+        return endpoint
+
     def _bind_tcp(self, tcp: Endpoints, keys: ServerKeys | None) -> None:
         """Bind the TCP side; with keys, under CURVE (ipc binds above stay without it)."""
         if keys is not None:
             self.auth = start_authenticator(self.context, keys)
             make_server(self.router, keys)
             make_server(self.pull, keys)
+        # The TCP results port is fixed before any layout is known: no limit (or a configured one).
+        self.pull.setsockopt(zmq.MAXMSGSIZE, -1)
         router = self._bind(self.router, tcp.router)
         results = self._bind(self.pull, tcp.results)
         self.beacon = Beacon(self.context, tcp.beats, keys, self.epoch, self.config)
@@ -286,10 +317,18 @@ class Broker:
 
     def _on_heartbeat(self, identity: bytes, header: Header) -> None:
         worker = self.workers.get(identity.removesuffix(b"!hb"))
-        if worker is not None:
-            self.liveness.heard(worker.identity, time.monotonic())
+        if worker is None:
+            self.ledger.drop("heartbeat from an identity that is not a registered worker")
+            return
+        self.liveness.heard(worker.identity, time.monotonic())
+
+    def _spawned(self, identity: bytes) -> bool:
+        return any(watched == identity for watched, _ in self.processes.values())
 
     def _on_failed(self, identity: bytes, header: Header) -> None:
+        if identity not in self.workers and not self._spawned(identity):
+            self.ledger.drop("FAILED from an identity that is not a worker")
+            return
         body = header.body or {}
         detail = {"env": header.env, "err": body.get("err", ""), "tb": body.get("tb", "")}
         self.events.append(Event("failed", identity, detail))
@@ -314,12 +353,14 @@ class Broker:
         envs = admission.envs
         token = os.urandom(16)
         pid = reg["pid"] if isinstance(reg.get("pid"), int) else -1
+        # admit() validated the specs; what they hold bounds the frames this worker sends.
+        limit = max_message_bytes(layout_of(spec_from_data(s).zero()) for s in reg["specs"])
         record = WorkerRecord(
             identity,
             token,
             tuple(envs),
             pid,
-            Decoder(),
+            Decoder(max_frame_bytes=limit),
             Encoder(self.config.zero_copy_threshold_bytes),
         )
         self.workers[identity] = record
@@ -336,7 +377,9 @@ class Broker:
             "reg": {
                 "token": record.token,
                 "envs": list(record.envs),
-                "results": self.tcp.results if remote and self.tcp else self.results_ep,
+                "results": self.tcp.results
+                if remote and self.tcp
+                else self.results_endpoint(record.decoder.max_frame_bytes),
                 "beats": self.tcp.beats if remote and self.tcp else None,
                 "epoch": self.epoch,
                 "heartbeat_interval_s": self.config.heartbeat_interval_s,

@@ -38,9 +38,13 @@ from zmqpool.specs import spec_from_data
 from zmqpool.state import Channel, Kind, Ledger, Reply
 from zmqpool.stats import stats_table
 from zmqpool.supervisor import Supervisor
+from zmqpool.validation import check_step_input
 from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
+
+#: Commands whose input must hold the actions: checked before anything is sent.
+_CHECKED_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
 
 _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
 
@@ -408,6 +412,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if isinstance(env_index, Sequence):
             env_index = self._check_indices(list(env_index), tensordict)
         tensordict, env_idx = self._tag_batch(tensordict, env_index, make_if_none)
+        if command in _CHECKED_COMMANDS:
+            check_step_input(tensordict, env_idx, self.input_spec, self.num_envs)
         per_env = isinstance(env_index, int)
         kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
         kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)

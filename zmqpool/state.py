@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from collections import deque
 from typing import Any
 
 from tensordict import TensorDictBase
 
 from zmqpool.wire import Command, DecodedPart
+
+log = logging.getLogger("zmqpool")
 
 
 class Kind(enum.Enum):
@@ -126,7 +129,11 @@ class Ledger:
         slot.next_seq += 1
 
     def drop(self, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        count = self.dropped.get(reason, 0) + 1
+        self.dropped[reason] = count
+        # A flood must not flood the log: a warning at the 1st, 2nd, 4th, 8th... of a reason.
+        level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
+        log.log(level, "dropped a message: %s (%d so far)", reason, count)
 
     def match(self, env: int, seq: int, token: bytes, now: float) -> Pending | None:
         """The request a reply answers, if the reply is legitimate; counts what it drops."""

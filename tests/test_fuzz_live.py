@@ -1,0 +1,616 @@
+"""Hostile peers on a real pool's sockets while the trainer steps.
+
+A test peer (plain zmq sockets) connects to the pool's results PULL and its
+ROUTER and sends thousands of bad messages (junk, truncated and mistyped
+headers, other protocol versions, unknown commands, wrong frame counts,
+layouts claiming 10 GB, env indices out of range, stale and future sequence
+numbers, results forged with a wrong or empty token for requests in flight,
+REGISTER garbage), interleaved with the trainer's real async steps (random
+subsets, ``min_get=1``). The pool must not crash, must hand the trainer only
+results from the registered workers (each result names its env, its step
+count and the action it was sent: a forged one shows), must count every drop,
+and must answer every real step exactly once.
+
+Then the worker side: a malformed command handed to ``Worker._handle`` is
+refused (dropped, or answered with an error) and the env lives on.
+
+The last tests pin down fixes made after a first fuzzing round: drops are
+logged (throttled), control messages from unknown identities are counted,
+and a peer cannot take over a live worker's envs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import random
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+from tensordict import TensorDict
+
+from tests.conftest import FAST
+from workers.hosting import EnvHost
+from workers.loop import Worker
+from zmqpool import ZMQAsyncEnvPool
+from zmqpool.specs import spec_to_data
+from zmqpool.testing import CountingEnv
+from zmqpool.wire import (
+    PROTOCOL_VERSION,
+    Command,
+    Decoder,
+    Encoder,
+    Header,
+    encode_message,
+)
+
+NUM_ENVS = 4
+STEPS = 600  # real env steps
+HOSTILE = 8000  # hostile messages, spread over the steps
+FORGED_ID = 1000  # a forged observation says it comes from env 1000 + env
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ZMQAsyncEnvPool(
+        CountingEnv,
+        # A little latency, so forged replies often arrive while the real one is awaited.
+        create_env_kwargs=[{"env_id": i, "step_sleep_s": (0.0, 0.002)} for i in range(NUM_ENVS)],
+        envs_per_worker=2,
+        config=FAST,
+    )
+    yield p
+    p.close()
+
+
+# ---------------------------------------------------------------- the hostile peer
+
+
+def forged_next(env: int) -> TensorDict:
+    """What a real step of ``env`` returns, with numbers no real step produces."""
+    flag = torch.zeros(1, dtype=torch.bool)
+    observation = torch.tensor([FORGED_ID + env, 10**6, 0.0, 0.0])
+    return TensorDict(
+        {
+            "observation": observation,
+            "reward": torch.ones(1),
+            "done": flag,
+            "terminated": flag,
+            "truncated": flag,
+        },
+        batch_size=[],
+    )
+
+
+class HostilePeer:
+    """Plain sockets on the pool's endpoints, and a generator of bad messages for each."""
+
+    def __init__(self, pool: ZMQAsyncEnvPool, seed: int = 0) -> None:
+        self.pool = pool
+        self.rng = random.Random(seed)
+        self.context = zmq.Context()
+        self.push = self._socket(zmq.PUSH, pool._broker.results_ep)
+        # Frames of megabytes on their own connection: a MAXMSGSIZE on the pool's side
+        # drops the connection (and what is queued on it) instead of the message.
+        self.big_push = self._socket(zmq.PUSH, pool._broker.results_ep)
+        self.dealers = [
+            # Fresh identities: a ROUTER refuses one still held by a closing connection.
+            self._socket(
+                zmq.DEALER, pool._broker.router_ep, b"evil%d-" % i + os.urandom(4).hex().encode()
+            )
+            for i in range(3)
+        ]
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.replies: collections.Counter[str] = collections.Counter()
+
+    def _socket(self, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.linger = 0
+        sock.sndhwm = 0  # never block and never drop: everything sent reaches the pool
+        if identity is not None:
+            sock.identity = identity
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+    # -------------------------------------------------------- sending
+
+    def send_some(self, count: int) -> None:
+        for _ in range(count):
+            if self.rng.random() < 0.005:  # megabytes: now and then
+                name = self.rng.choice(sorted(self.BIG))
+            else:
+                name = self.rng.choice([*sorted(set(self.RESULTS) - self.BIG), *self.CONTROL])
+            if name in self.RESULTS:
+                frames = self.RESULTS[name](self)
+                big = max(len(f) for f in frames) > 1 << 16
+                (self.big_push if big else self.push).send_multipart(frames, copy=True)
+            else:
+                frames = self.CONTROL[name](self)
+                self.rng.choice(self.dealers).send_multipart(frames, copy=True)
+            self.sent[name] += 1
+
+    def read_replies(self) -> None:
+        for dealer in self.dealers:
+            while dealer.poll(0):
+                header = Header.decode(dealer.recv_multipart()[0])
+                self.replies[header.command.name] += 1
+
+    # -------------------------------------------------------- helpers
+
+    def _env(self) -> int:
+        return self.rng.randrange(NUM_ENVS)
+
+    def _awaited_seq(self, env: int) -> int:
+        """The seq the pool awaits for ``env`` (or will give its next request)."""
+        slot = self.pool._ledger.slots[env]
+        return slot.in_flight[0].seq if slot.in_flight else slot.next_seq
+
+    def _stale_seq(self, env: int) -> int:
+        """A seq the pool is sure not to await: one already answered (or none ever issued)."""
+        return max(0, self._awaited_seq(env) - 1 - self.rng.randrange(3))
+
+    def _token(self, env: int) -> bytes:
+        worker = self.pool._ledger.slots[env].worker
+        return worker.token if worker is not None else b""
+
+    def _forged(self, header: Header, env: int) -> list[Any]:
+        # A fresh encoder announces the layout in full, as a new connection would.
+        return encode_message(header, [Encoder().encode(forged_next(env))])
+
+    def _valid_header(self) -> bytes:
+        env = self._env()
+        return Header(Command.RESULT, env, self._awaited_seq(env), os.urandom(16)).encode()
+
+    # -------------------------------------------------------- on the results socket
+
+    def junk_bytes(self) -> list[Any]:
+        return [self.rng.randbytes(self.rng.randrange(0, 64))]
+
+    def truncated_header(self) -> list[Any]:
+        header = self._valid_header()
+        return [header[: self.rng.randrange(len(header))]]
+
+    def mistyped_header(self) -> list[Any]:
+        fields = [PROTOCOL_VERSION, int(Command.RESULT), 0, 1, b"", [], None]
+        fields[self.rng.randrange(7)] = self.rng.choice(["0", -5, 2.5, [1], {"a": 1}, None, b"x"])
+        return [msgpack.packb(fields, use_bin_type=True)]
+
+    def other_version(self) -> list[Any]:
+        env = self._env()
+        version = self.rng.choice([0, PROTOCOL_VERSION + 1, 2**40])
+        header = Header(
+            Command.RESULT, env, self._awaited_seq(env), self._token(env), version=version
+        )
+        return self._forged(header, env)
+
+    def unknown_command(self) -> list[Any]:
+        command = self.rng.choice([0, 11, 99, 2**31])
+        return [msgpack.packb([PROTOCOL_VERSION, command, 0, 1, b"", [], None])]
+
+    def command_on_results_socket(self) -> list[Any]:
+        command = self.rng.choice(
+            [Command.STEP, Command.REGISTER, Command.HEARTBEAT, Command.CLOSE]
+        )
+        return [Header(command, self._env(), 1).encode()]
+
+    def forged_wrong_token(self) -> list[Any]:
+        env = self._env()
+        # Empty, random, or the token of the other worker (envs 0, 1 | 2, 3), which does
+        # not host this env.
+        token = self.rng.choice([b"", os.urandom(16), self._token((env + 2) % NUM_ENVS)])
+        return self._forged(Header(Command.RESULT, env, self._awaited_seq(env), token), env)
+
+    def forged_error(self) -> list[Any]:
+        env = self._env()
+        body = {"err": "forged error", "tb": "", "kind": "env"}
+        token = self.rng.choice([b"", os.urandom(16)])
+        return [Header(Command.ERROR, env, self._awaited_seq(env), token, body=body).encode()]
+
+    def env_out_of_range(self) -> list[Any]:
+        env = self.rng.choice([-1, NUM_ENVS, NUM_ENVS + 7, 2**40, -(2**63)])
+        return self._forged(Header(Command.RESULT, env, 1, self._token(0)), 0)
+
+    def stale_seq_real_token(self) -> list[Any]:
+        env = self._env()
+        return self._forged(
+            Header(Command.RESULT, env, self._stale_seq(env), self._token(env)), env
+        )
+
+    def future_seq_real_token(self) -> list[Any]:
+        env = self._env()
+        seq = self._awaited_seq(env) + self.rng.choice([10**6, 2**62])
+        return self._forged(Header(Command.RESULT, env, seq, self._token(env)), env)
+
+    def wrong_frame_count(self) -> list[Any]:
+        env = self._env()
+        frames = self._forged(Header(Command.RESULT, env, self._awaited_seq(env), b"x"), env)
+        return frames[:1] if self.rng.random() < 0.5 else [*frames, b"extra", b""]
+
+    def huge_layout(self) -> list[Any]:
+        env = self._env()
+        layout = {"b": [], "t": [[["observation"], "float32", [10**10], True]], "n": []}
+        body = {"L": {0: layout}}
+        header = Header(Command.RESULT, env, self._awaited_seq(env), b"", (0,), body)
+        return [header.encode(), b"\0" * 64]
+
+    def big_junk_frame(self) -> list[Any]:
+        return [self._valid_header(), bytes(2 << 20)]
+
+    def big_junk_header(self) -> list[Any]:
+        return [bytes(64 << 20 if self.rng.random() < 0.05 else 2 << 20)]
+
+    RESULTS = {
+        "junk_bytes": junk_bytes,
+        "truncated_header": truncated_header,
+        "mistyped_header": mistyped_header,
+        "other_version": other_version,
+        "unknown_command": unknown_command,
+        "command_on_results_socket": command_on_results_socket,
+        "forged_wrong_token": forged_wrong_token,
+        "forged_error": forged_error,
+        "env_out_of_range": env_out_of_range,
+        "stale_seq_real_token": stale_seq_real_token,
+        "future_seq_real_token": future_seq_real_token,
+        "wrong_frame_count": wrong_frame_count,
+        "huge_layout": huge_layout,
+        "big_junk_frame": big_junk_frame,
+        "big_junk_header": big_junk_header,
+    }
+
+    # -------------------------------------------------------- on the ROUTER
+
+    def ctl_junk(self) -> list[Any]:
+        return self.junk_bytes()
+
+    def ctl_unknown_command(self) -> list[Any]:
+        return self.unknown_command()
+
+    def ctl_worker_command(self) -> list[Any]:
+        command = self.rng.choice([Command.STEP, Command.RESULT, Command.WELCOME, Command.PING])
+        return [Header(command, self._env(), 1).encode()]
+
+    def ctl_other_version(self) -> list[Any]:
+        return [Header(Command.REGISTER, body={"reg": {}}, version=PROTOCOL_VERSION + 1).encode()]
+
+    def ctl_register_garbage(self) -> list[Any]:
+        reg = self.rng.choice(
+            [
+                None,
+                5,
+                {},
+                {"envs": [0, 1]},
+                {"envs": "all", "specs": [1], "pid": "me"},
+                {"envs": [0, 1], "specs": [{"class": "Nope"}] * 2, "pid": 1},
+                {"envs": list(range(10**4)), "specs": [None]},
+            ]
+        )
+        body = self.rng.choice([None, {"reg": reg}, {"x": reg}])
+        return [Header(Command.REGISTER, body=body).encode(), *([b"junk"] * self.rng.randrange(2))]
+
+    CONTROL = {
+        "ctl_junk": ctl_junk,
+        "ctl_unknown_command": ctl_unknown_command,
+        "ctl_worker_command": ctl_worker_command,
+        "ctl_other_version": ctl_other_version,
+        "ctl_register_garbage": ctl_register_garbage,
+    }
+
+    #: what the pool counts as dropped (at most, for frames a MAXMSGSIZE may stop before
+    #: the pool sees them), and what it answers with a REFUSE
+    BIG = {"big_junk_frame", "big_junk_header"}
+    COUNTED = (set(RESULTS) - BIG) | {
+        "ctl_junk",
+        "ctl_unknown_command",
+        "ctl_worker_command",
+        "ctl_other_version",
+    }
+    REFUSED = {"ctl_other_version", "ctl_register_garbage"}
+
+
+@pytest.fixture
+def peer(pool):
+    p = HostilePeer(pool)
+    yield p
+    p.close()
+
+
+def wait_for(condition, pump, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        pump()
+    return True
+
+
+# ---------------------------------------------------------------- the live fuzz
+
+
+def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
+    rng = random.Random(1)
+    dropped_before = sum(pool._ledger.dropped.values())
+    pool.reset()
+    count = [0] * NUM_ENVS  # steps each env has taken since the reset
+    awaited: dict[int, float] = {}  # env -> the action value it was sent
+    sent = received = 0
+    while received < STEPS:
+        peer.send_some(min(15, HOSTILE - sum(peer.sent.values())))
+        idle = [e for e in range(NUM_ENVS) if e not in awaited]
+        size = rng.randint(0, min(len(idle), STEPS - sent))
+        subset = sorted(rng.sample(idle, size))
+        if subset:
+            actions = [(sent + k + 1) / 10_000 for k in range(len(subset))]
+            td = TensorDict({"action": torch.tensor(actions).unsqueeze(-1)}, [len(subset)])
+            pool.async_step_send(td, env_index=subset)
+            awaited.update(zip(subset, actions, strict=True))
+            sent += len(subset)
+        if not awaited:
+            continue
+        out = pool.async_step_recv(min_get=1, timeout=30)
+        for row, env in enumerate(int(i) for i in out["env_index"]):
+            observation = out["next", "observation"][row]
+            assert env in awaited, f"env {env} answered a request it never got"
+            assert observation[0].item() == env, (
+                f"a forged result reached the trainer: {observation}"
+            )
+            count[env] += 1
+            assert observation[1].item() == count[env]  # no step lost or doubled
+            assert abs(observation[2].item() - awaited.pop(env)) < 1e-6  # its own action
+            received += 1
+    assert not awaited and sum(count) == received == STEPS
+    peer.send_some(HOSTILE - sum(peer.sent.values()))  # the rest, if the steps were quick
+
+    # Every bad message reached the pool and was counted (or refused), none was delivered.
+    counted = sum(n for name, n in peer.sent.items() if name in HostilePeer.COUNTED)
+    big = sum(n for name, n in peer.sent.items() if name in HostilePeer.BIG)
+    refused = sum(n for name, n in peer.sent.items() if name in HostilePeer.REFUSED)
+
+    def pump():
+        pool._broker.poll(0.05)
+        peer.read_replies()
+
+    def all_seen() -> bool:
+        drops = sum(pool._ledger.dropped.values()) - dropped_before
+        return drops >= counted and peer.replies["REFUSE"] >= refused
+
+    assert wait_for(all_seen, pump), (pool._ledger.dropped, peer.replies, peer.sent)
+    wait_for(lambda: False, pump, timeout_s=0.3)  # let the megabyte frames settle
+    drops = sum(pool._ledger.dropped.values()) - dropped_before
+    assert counted <= drops <= counted + big, pool._ledger.dropped
+    assert peer.replies["WELCOME"] == 0 and set(peer.replies) <= {"REFUSE"}
+    assert sum(peer.sent.values()) >= HOSTILE
+    print(f"\nhostile messages: {dict(peer.sent)}\ndropped: {pool._ledger.dropped}")
+
+    # The pool is whole: a synchronous step of every env is each env's next step.
+    td = pool.step(TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS]))
+    assert td["next", "observation"][:, 1].tolist() == [c + 1 for c in count]
+    assert td["next", "observation"][:, 0].tolist() == list(range(NUM_ENVS))
+
+
+def test_a_peer_speaking_another_version_is_told_why(pool, peer):
+    dealer = peer.dealers[0]
+    dealer.send(Header(Command.REGISTER, body={"reg": {}}, version=PROTOCOL_VERSION + 1).encode())
+    assert wait_for(lambda: dealer.poll(0), lambda: pool._broker.poll(0.05))
+    header = Header.decode(dealer.recv())
+    assert header.command == Command.REFUSE
+    assert f"version {PROTOCOL_VERSION + 1}" in header.body["err"]
+
+
+def test_drops_are_logged(pool, peer, caplog):
+    caplog.set_level(logging.DEBUG, logger="zmqpool")
+    peer.push.send(b"\xc1 not a header")
+    before = sum(pool._ledger.dropped.values())
+    assert wait_for(
+        lambda: sum(pool._ledger.dropped.values()) > before, lambda: pool._broker.poll(0.05)
+    )
+    assert any("drop" in record.getMessage() for record in caplog.records)
+
+
+def test_control_messages_from_unknown_identities_are_counted(pool, peer):
+    before = sum(pool._ledger.dropped.values())
+    dealer = peer.dealers[1]
+    dealer.send(Header(Command.HEARTBEAT).encode())
+    dealer.send(Header(Command.FAILED, 0, body={"err": "forged", "tb": ""}).encode())
+    assert wait_for(
+        lambda: sum(pool._ledger.dropped.values()) >= before + 2,
+        lambda: pool._broker.poll(0.05),
+        timeout_s=1.0,
+    )
+
+
+# ---------------------------------------------------------------- ZMQ's own limit
+
+
+def test_maxmsgsize_is_per_frame_and_read_when_the_socket_binds(tmp_path):
+    """What ``max_message_bytes`` feeds: a frame over MAXMSGSIZE disconnects its sender
+    before anything is allocated, but only on endpoints bound after the option was set."""
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        pull.linger = 0
+        before, after = f"ipc://{tmp_path}/before", f"ipc://{tmp_path}/after"
+        pull.setsockopt(zmq.MAXMSGSIZE, 1000)
+        pull.bind(before)  # takes the limit
+        pull.setsockopt(zmq.MAXMSGSIZE, -1)
+        pull.bind(after)  # does not: options are copied at bind time
+
+        def deliver(endpoint: str, frames: list[bytes]) -> list[list[int]]:
+            push = context.socket(zmq.PUSH)
+            push.linger = 0
+            push.connect(endpoint)
+            push.send_multipart(frames)
+            got = []
+            while pull.poll(300):
+                got.append([len(f) for f in pull.recv_multipart()])
+            push.close()
+            return got
+
+        assert deliver(before, [bytes(1001)]) == []  # refused
+        assert deliver(before, [bytes(1000)] * 3) == [[1000] * 3]  # per frame, not per message
+        assert deliver(after, [bytes(5000)]) == [[5000]]
+    finally:
+        context.destroy(linger=0)
+
+
+# ---------------------------------------------------------------- the worker side
+
+
+class FakePush:
+    """Stands in for the worker's PUSH socket: keeps what would be sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[Any]] = []
+
+    def send_multipart(self, frames, copy=True) -> None:
+        self.sent.append([bytes(memoryview(f).cast("B")) for f in frames])
+
+
+@pytest.fixture
+def worker(tmp_path):
+    env = CountingEnv(env_id=7)
+    w = Worker(router=f"ipc://{tmp_path}/nobody", identity=b"w0", host=EnvHost({0: env}))
+    w.push = FakePush()
+    w.token = b"t" * 16
+    w.pool_side_decoder = Decoder()  # the pool's decoder of this worker's replies
+    yield w
+    w.close()
+
+
+def command(header: Header, td: TensorDict | None, encoder: Encoder) -> list[bytes]:
+    parts = [] if td is None else [encoder.encode(td)]
+    return [bytes(memoryview(f).cast("B")) for f in encode_message(header, parts)]
+
+
+def reply_of(worker: Worker) -> tuple[Header, TensorDict | None]:
+    frames = worker.push.sent.pop()
+    header = Header.decode(frames[0])
+    if header.command == Command.ERROR:
+        return header, None
+    return header, worker.pool_side_decoder.decode(header, frames[1:])[0].to_tensordict()
+
+
+def step(worker: Worker, encoder: Encoder, seq: int, action: float = 0.25) -> TensorDict:
+    td = TensorDict({"action": torch.tensor([action])}, [])
+    assert worker._handle(command(Header(Command.STEP, 0, seq), td, encoder))
+    header, out = reply_of(worker)
+    assert header.command == Command.RESULT and header.seq == seq and header.token == worker.token
+    assert out is not None
+    return out
+
+
+def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
+    encoder = Encoder()
+    env = worker.host.envs[0]
+    assert step(worker, encoder, 1)["observation"][:2].tolist() == [7.0, 1.0]
+    action = TensorDict({"action": torch.tensor([0.5])}, [])
+    huge = {"b": [], "t": [[["action"], "float32", [10**10], True]], "n": []}
+    dropped = [  # not even a header: nothing to answer
+        [b""],
+        [b"\xc1"],
+        [Header(Command.STEP, 0, 2).encode()[:-3]],
+        [Header(Command.STEP, 0, 2, version=PROTOCOL_VERSION + 1).encode()],
+        [msgpack.packb([PROTOCOL_VERSION, 99, 0, 2, b"", [], None])],
+    ]
+    answered = {  # a header: answered with an error for that seq
+        "not hosted": command(Header(Command.STEP, 5, 2), action, encoder),
+        "not an env command": command(Header(Command.RESULT, 0, 2), action, encoder),
+        "registration command": command(Header(Command.REGISTER, 0, 2), None, encoder),
+        "too many frames": [*command(Header(Command.STEP, 0, 2), action, encoder), b"x"],
+        "too few frames": command(Header(Command.STEP, 0, 2), action, encoder)[:1],
+        "unknown layout": [Header(Command.STEP, 0, 2, layouts=(77,)).encode()],
+        "10 GB layout": [Header(Command.STEP, 0, 2, layouts=(9,), body={"L": {9: huge}}).encode()],
+        "no input": command(Header(Command.STEP, 0, 2), None, encoder),
+        "bad seed": command(Header(Command.SEED, 0, 2, body={"seed": "x"}), None, encoder),
+        "garbage body": command(Header(Command.STEP, 0, 2, body={"L": 5}), action, encoder),
+    }
+    for frames in dropped:
+        assert worker._handle(frames)
+    assert worker.dropped == len(dropped) and not worker.push.sent
+    for what, frames in answered.items():
+        assert worker._handle(frames), what
+        header, _ = reply_of(worker)
+        assert header.command == Command.ERROR and header.seq == 2, what
+        assert header.token == worker.token and header.body["err"], what
+        # "protocol", not "env": with on_env_error="restart" an "env" error restarts the worker.
+        assert header.body.get("kind", "protocol") == "protocol", what
+    assert worker._handle([Header(Command.PING).encode()]) and not worker.push.sent
+    # The same env, its state intact: none of the bad commands reached it.
+    assert worker.host.envs[0] is env
+    assert step(worker, encoder, 3)["observation"][:2].tolist() == [7.0, 2.0]
+    # A well-formed step the env cannot take is the env's error, and the env lives on too.
+    assert worker._handle(command(Header(Command.STEP, 0, 4), TensorDict({}, []), encoder))
+    header, _ = reply_of(worker)
+    assert header.command == Command.ERROR and "env raised" in header.body["err"]
+    assert worker.host.envs[0] is env
+    assert step(worker, encoder, 5)["observation"][:2].tolist() == [7.0, 4.0]
+    assert not worker._handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
+
+
+# ---------------------------------------------------------------- identity takeover
+
+
+def test_a_peer_cannot_take_over_a_live_workers_envs(pool):
+    # Last in this file: if it ever fails, it leaves the module's pool broken.
+    context = zmq.Context()
+    try:
+        identity = pool._ledger.slots[0].worker.identity  # b"w0": in /proc/<pid>/cmdline
+        thief = context.socket(zmq.DEALER)
+        thief.linger = 0
+        thief.identity = identity
+        thief.connect(pool._broker.router_ep)
+        specs = [spec_to_data(CountingEnv().specs)] * 2
+        reg = {"pid": os.getpid(), "envs": [0, 1], "specs": specs}
+        thief.send(Header(Command.REGISTER, body={"reg": reg}).encode())
+        seen = Thief(thief)
+        wait_for(lambda: seen.welcome is not None, lambda: seen.pump(pool), timeout_s=1.0)
+        pool.async_step_send(TensorDict({"action": torch.zeros(1, 1)}, [1]), env_index=[0])
+        out = None
+        deadline = time.monotonic() + 3.0
+        while out is None and time.monotonic() < deadline:
+            seen.pump(pool)
+            with contextlib.suppress(TimeoutError):
+                out = pool.async_step_recv(min_get=1, timeout=0.05)
+        assert seen.welcome is None, "the pool gave its token to a second worker"
+        assert not seen.commands, f"a command for env 0 went to the thief: {seen.commands}"
+        assert out is not None, "env 0 no longer answers"
+        assert out["next", "observation"][0, 0].item() == 0, "a forged result was delivered"
+    finally:
+        context.destroy(linger=0)
+
+
+class Thief:
+    """Reads what the pool sends to a stolen identity; answers commands with forgeries."""
+
+    def __init__(self, dealer: zmq.Socket) -> None:
+        self.dealer = dealer
+        self.welcome: dict[str, Any] | None = None
+        self.commands: list[str] = []
+        self.push: zmq.Socket | None = None
+
+    def pump(self, pool: ZMQAsyncEnvPool) -> None:
+        pool._broker.poll(0.02)
+        while self.dealer.poll(0):
+            header = Header.decode(self.dealer.recv_multipart()[0])
+            if header.command == Command.WELCOME:
+                self.welcome = header.body["reg"]
+                self.push = self.dealer.context.socket(zmq.PUSH)
+                self.push.linger = 0
+                self.push.connect(self.welcome["results"])
+            elif header.command == Command.STEP:
+                self.commands.append(f"STEP seq {header.seq}")
+                self._forge(header)
+
+    def _forge(self, command: Header) -> None:
+        if self.push is None or self.welcome is None:
+            return
+        header = Header(Command.RESULT, command.env, command.seq, self.welcome["token"])
+        self.push.send_multipart(encode_message(header, [Encoder().encode(forged_next(0))]))

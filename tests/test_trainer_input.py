@@ -1,0 +1,246 @@
+"""Trainer input is checked before anything is sent: clear errors, nothing in flight.
+
+Two halves:
+
+- :func:`zmqpool.validation.check_step_input` called directly, with the
+  stacked specs of ``CountingEnv`` (and of small hand-made specs);
+- a real pool: a bad step input raises at the send, names the key and what
+  was expected, leaves no env busy, and the next good step is the env's next
+  step (nothing reached it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
+
+from tests.conftest import FAST
+from zmqpool import ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv
+from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input
+
+NUM = 2
+
+
+def pool_input_spec(num_envs: int = NUM):
+    """What ``pool.input_spec`` is: the envs' input specs stacked, plus ``env_index``."""
+    spec = torch.stack([CountingEnv(env_id=i).specs for i in range(num_envs)])["input_spec"]
+    spec["full_state_spec"].set("env_index", NonTensor(example_data=0, shape=spec.shape))
+    return spec
+
+
+def actions(n: int, dtype=torch.float32, shape=(1,)) -> TensorDict:
+    return TensorDict({"action": torch.zeros(n, *shape, dtype=dtype)}, [n])
+
+
+# ---------------------------------------------------------------- the function
+
+
+def test_good_inputs_pass_and_return_the_indices_as_ints():
+    spec = pool_input_spec()
+    assert check_step_input(actions(2), [1, 0], spec, NUM) == [1, 0]
+    assert check_step_input(actions(1), torch.tensor([1]), spec, NUM) == [1]
+    single = TensorDict({"action": torch.zeros(1)}, [])  # an env's own tensordict
+    assert check_step_input(single, 1, spec, NUM) == [1]
+    rows = lazy_stack([TensorDict({"action": torch.zeros(1)}, []) for _ in range(2)])
+    assert check_step_input(rows, [0, 1], spec, NUM) == [0, 1]
+    extra = actions(2).set("observation", torch.zeros(2, 4)).set("anything", torch.ones(2, 9))
+    assert check_step_input(extra, [0, 1], spec, NUM) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("td", "error", "match"),
+    [
+        (TensorDict({"observation": torch.zeros(2, 4)}, [2]), ValueError, "no action 'action'"),
+        (actions(2, torch.float64), ValueError, r"expected dtype torch.float32, got torch.float64"),
+        (actions(2, shape=()), ValueError, r"'action': expected shape \(2, 1\), got \(2,\)"),
+        (actions(2, shape=(3,)), ValueError, r"expected shape \(2, 1\), got \(2, 3\)"),
+        (actions(3), ValueError, r"batch size \(3,\) does not match the 2 env indices \[0, 1\]"),
+        (TensorDict({"action": torch.zeros(2, 1)}, []), ValueError, r"batch size \(\)"),
+        (TensorDict({"action": "left"}, [2]), ValueError, "expected a torch.float32 tensor"),
+    ],
+    ids=["missing", "dtype", "shape-dropped-dim", "shape-wrong", "batch", "no-batch", "not-tensor"],
+)
+def test_bad_step_inputs_name_the_key_expected_and_received(td, error, match):
+    with pytest.raises(error, match=match):
+        check_step_input(td, [0, 1], pool_input_spec(), NUM)
+
+
+def test_a_single_env_input_is_checked_without_the_env_dim():
+    spec = pool_input_spec()
+    with pytest.raises(ValueError, match=r"expected shape \(1,\), got \(1, 1\)"):
+        check_step_input(actions(1), 0, spec, NUM)  # a batch given where one env's td goes
+
+
+@pytest.mark.parametrize(
+    ("indices", "error", "match"),
+    [
+        ([0, 2], IndexError, r"env index 2 is out of range for a pool of 2 envs \(0 to 1\)"),
+        ([-1, 0], IndexError, "env index -1 is out of range"),
+        ([1, 1], ValueError, r"repeat env \[1\]"),
+        ([0, 1.0], TypeError, "must be integers"),
+        ([True, 0], TypeError, "must be integers"),
+        ("01", TypeError, "an int or a list of ints"),
+    ],
+)
+def test_bad_env_indices(indices, error, match):
+    with pytest.raises(error, match=match):
+        check_step_input(actions(2), indices, pool_input_spec(), NUM)
+    with pytest.raises(error, match=match):
+        check_env_indices(indices, NUM)
+
+
+def test_nested_integer_actions_and_optional_state_entries():
+    env_spec = Composite(
+        full_action_spec=Composite(
+            agents=Composite(action=Categorical(5, shape=(3,)), shape=()), shape=()
+        ),
+        full_state_spec=Composite(hidden=Unbounded(shape=(8,)), shape=()),
+        shape=(),
+    )
+    spec = torch.stack([env_spec.clone() for _ in range(NUM)])
+    good = TensorDict({"agents": {"action": torch.zeros(2, 3, dtype=torch.int64)}}, [2])
+    assert check_step_input(good, [0, 1], spec, NUM) == [0, 1]  # "hidden" may be absent
+    with pytest.raises(ValueError, match=r"action \('agents', 'action'\): expected dtype"):
+        check_step_input(good.apply(lambda t: t.int()), [0, 1], spec, NUM)
+    with pytest.raises(ValueError, match=r"state 'hidden': expected shape \(2, 8\), got \(2, 7\)"):
+        check_step_input(good.clone().set("hidden", torch.zeros(2, 7)), [0, 1], spec, NUM)
+
+
+def test_envs_whose_action_shapes_differ_accept_any_size_in_that_dim():
+    specs = [
+        Composite(full_action_spec=Composite(action=Bounded(-1, 1, shape=(n,)))) for n in (1, 2)
+    ]
+    spec = torch.stack(specs)  # a heterogeneous stack: action shape (2, -1)
+    rows = lazy_stack([TensorDict({"action": torch.zeros(n)}, []) for n in (1, 2)])
+    assert check_step_input(rows, [0, 1], spec, NUM) == [0, 1]
+    with pytest.raises(ValueError, match=r"expected shape \(-1,\), got \(1, 2\)"):
+        check_step_input(
+            lazy_stack([TensorDict({"action": torch.zeros(1, 2)}, [])] * 2), [0, 1], spec, NUM
+        )
+
+
+def test_expectations_are_worked_out_once_per_spec():
+    spec = pool_input_spec()
+    check_step_input(actions(2), [0, 1], spec, NUM)
+    from zmqpool import validation
+
+    cached = validation._CACHE[(id(spec), NUM)][1]
+    check_step_input(actions(1), [1], spec, NUM)
+    assert validation._CACHE[(id(spec), NUM)][1] is cached
+    assert [e.key for e in StepInputSpec(spec, NUM).expected] == ["action"]  # not env_index
+
+
+# ---------------------------------------------------------------- a real pool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ZMQAsyncEnvPool(
+        CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(NUM)], config=FAST
+    )
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def fresh(pool):
+    """The pool, reset, with nothing in flight."""
+    assert not pool._busy
+    return pool.reset()
+
+
+def step_counts(pool, env_index=None) -> list[int]:
+    """One good step of ``env_index`` (default: all envs); the step counts they report."""
+    env_index = list(range(NUM)) if env_index is None else env_index
+    pool.async_step_send(actions(len(env_index)), env_index=env_index)
+    out = pool.async_step_recv(min_get=len(env_index), timeout=30)
+    return [int(c) for c in out["next", "observation"][:, 1]]
+
+
+def refused_before_sending(pool, send, error, match, env_index=None, channel=None):
+    """``send()`` raises ``error``, leaves nothing in flight, and no env took a step.
+
+    ``env_index``: the envs to watch (default: all); ``channel``: the env whose own
+    channel ``send`` uses, if it does.
+    """
+    before = step_counts(pool, env_index)
+    sent = False
+    try:
+        with pytest.raises(error, match=match):
+            send()
+            sent = True
+    finally:
+        if sent:  # it went out after all: collect its reply, so the pool stays usable
+            _drain(pool, channel)
+    assert not pool._busy
+    assert step_counts(pool, env_index) == [c + 1 for c in before]  # the bad one never ran
+
+
+def _drain(pool, channel):
+    """Collect every reply in flight (each env error raised removes one)."""
+    if channel is not None:
+        with contextlib.suppress(Exception):
+            pool.async_step_recv(env_index=channel)
+    for _ in range(2 * NUM):
+        if not pool._busy:
+            return
+        with contextlib.suppress(Exception):
+            pool.async_step_recv(min_get=1, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("td", "match"),
+    [
+        (TensorDict({"observation": torch.zeros(2, 4)}, [2]), "no action 'action'"),
+        (actions(2, torch.float64), "expected dtype torch.float32, got torch.float64"),
+        (actions(2, shape=(3,)), r"expected shape \(2, 1\), got \(2, 3\)"),
+    ],
+    ids=["missing", "dtype", "shape"],
+)
+def test_pool_refuses_bad_actions_at_the_send(pool, fresh, td, match):
+    refused_before_sending(
+        pool, lambda: pool.async_step_send(td, env_index=[0, 1]), ValueError, match
+    )
+    refused_before_sending(
+        pool,
+        lambda: pool.async_step_and_maybe_reset_send(td.clone(), env_index=[0, 1]),
+        ValueError,
+        match,
+    )
+
+
+def test_pool_step_refuses_bad_actions(pool, fresh):
+    td = pool.reset()
+    td["action"] = torch.zeros(NUM, 1, dtype=torch.float64)
+    refused_before_sending(pool, lambda: pool.step(td), ValueError, "expected dtype torch.float32")
+
+
+def test_pool_refuses_a_bad_action_on_an_env_channel(pool, fresh):
+    bad = TensorDict({"action": torch.zeros(2)}, [])
+    refused_before_sending(
+        pool,
+        lambda: pool.async_step_send(bad, env_index=1),
+        ValueError,
+        r"expected shape \(1,\), got \(2,\)",
+        env_index=[1],
+        channel=1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("indices", "td", "error", "match"),
+    [
+        ([0, 2], actions(2), IndexError, "out of range"),
+        ([1, 1], actions(2), ValueError, "repeat"),
+        ([0, 1], actions(3), ValueError, "batch size"),
+    ],
+    ids=["range", "repeat", "batch"],
+)
+def test_pool_refuses_bad_indices_at_the_send(pool, fresh, indices, td, error, match):
+    send = lambda: pool.async_step_send(td, env_index=indices)  # noqa: E731
+    refused_before_sending(pool, send, error, match)

@@ -1,0 +1,229 @@
+"""Checks on what the trainer hands the pool, run before anything is sent.
+
+torchrl's pool sends whatever it is given: a missing action, a float64 action
+for a float32 spec or an action of the wrong shape reaches the env in its
+worker, which fails there (or, worse, broadcasts and carries on), and the
+trainer learns of it at the next recv, from a remote traceback, with the env
+already marked busy. Here the same mistakes raise at the send, in the
+trainer's own stack, naming the key and what was expected:
+
+- ``TypeError``: an env index that is not an integer;
+- ``IndexError``: an env index out of range;
+- ``ValueError``: a repeated env index, a tensordict whose leading batch
+  dimension does not match the env indices, a missing action key, an action
+  (or a state entry, when present) of the wrong dtype or shape.
+
+What is expected is worked out once per input spec (:class:`StepInputSpec`)
+and cached, so a check is a few microseconds per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+__all__ = ["StepInputSpec", "check_env_indices", "check_step_input"]
+
+#: The key the pool writes into every tensordict; not the trainer's to provide.
+_ENV_INDEX_KEY = "env_index"
+
+
+def check_env_indices(env_indices: int | Sequence[int] | torch.Tensor, num_envs: int) -> list[int]:
+    """The env indices as a list of ints, refused if not integers, out of range or repeated.
+
+    Example:
+        >>> check_env_indices([2, 0], num_envs=4)
+        [2, 0]
+        >>> check_env_indices([0, 4], num_envs=4)
+        Traceback (most recent call last):
+        ...
+        IndexError: env index 4 is out of range for a pool of 4 envs (0 to 3)
+    """
+    if isinstance(env_indices, torch.Tensor):
+        env_indices = env_indices.tolist()
+    items: Any = [env_indices] if _is_index(env_indices) else env_indices
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"env indices must be an int or a list of ints, got {env_indices!r}")
+    fast = all(type(i) is int for i in items)
+    indices: list[int] = list(items) if fast else [_as_index(i) for i in items]
+    if indices and (min(indices) < 0 or max(indices) >= num_envs):
+        bad = next(i for i in indices if not 0 <= i < num_envs)
+        raise IndexError(
+            f"env index {bad} is out of range for a pool of {num_envs} envs (0 to {num_envs - 1})"
+        )
+    if len(set(indices)) != len(indices):
+        repeated = sorted({i for i in indices if indices.count(i) > 1})
+        raise ValueError(
+            f"env indices {indices} repeat env {repeated}: an env takes one request at a time"
+        )
+    return indices
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_index(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"env indices must be integers, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"env indices must be integers, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Expected:
+    """One entry a step input holds: its dtype (None: non-tensor) and per-env shape."""
+
+    key: str | tuple[str, ...]
+    role: str  # "action" (required) or "state" (checked when present)
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]  # without the pool's env dim; -1: envs differ, any size
+
+    @property
+    def required(self) -> bool:
+        return self.role == "action"
+
+
+class StepInputSpec:
+    """What a step input must hold, worked out once from a pool's input spec.
+
+    Args:
+        input_spec: the pool's stacked ``input_spec`` (a ``Composite`` with
+            ``full_action_spec`` and ``full_state_spec``, env dim first).
+        num_envs: the pool's number of envs.
+
+    Example:
+        >>> from zmqpool.testing import CountingEnv
+        >>> specs = torch.stack([CountingEnv(env_id=i).specs for i in range(2)])
+        >>> check = StepInputSpec(specs["input_spec"], num_envs=2)
+        >>> from tensordict import TensorDict
+        >>> check(TensorDict({"action": torch.zeros(2, 1)}, [2]), [1, 0])
+        [1, 0]
+    """
+
+    def __init__(self, input_spec: Any, num_envs: int) -> None:
+        self.num_envs = num_envs
+        actions = _entries(input_spec, "full_action_spec", "action")
+        self.expected = tuple(actions + _entries(input_spec, "full_state_spec", "state"))
+
+    def __call__(
+        self, td: TensorDictBase, env_indices: int | Sequence[int] | torch.Tensor
+    ) -> list[int]:
+        """Check ``td`` for ``env_indices``; return the indices as a list of ints.
+
+        With a list of indices, ``td`` has one row per index (its leading batch
+        dim); with a single int, ``td`` is that env's own tensordict.
+        """
+        indices = check_env_indices(env_indices, self.num_envs)
+        if _is_index(env_indices):
+            self._check_rows([td])
+            return indices
+        if td.batch_size[:1] != (len(indices),):
+            raise ValueError(
+                f"the tensordict's batch size {tuple(td.batch_size)} does not match the "
+                f"{len(indices)} env indices {indices}: its first dim must be {len(indices)}"
+            )
+        if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
+            self._check_rows(td.tensordicts)  # row by row: no stacking copies
+        else:
+            for expected in self.expected:
+                _check_entry(td, expected, (len(indices),))
+        return indices
+
+    def _check_rows(self, rows: Sequence[TensorDictBase]) -> None:
+        for row in rows:
+            for expected in self.expected:
+                _check_entry(row, expected, ())
+
+
+def _entries(input_spec: Any, group: str, role: str) -> list[Expected]:
+    if group not in input_spec.keys():  # noqa: SIM118 (`in` is False on a StackedComposite)
+        return []
+    spec = input_spec[group]
+    entries = []
+    for key in spec.keys(include_nested=True, leaves_only=True):
+        if key == _ENV_INDEX_KEY:
+            continue
+        leaf = spec[key]
+        shape = tuple(int(size) for size in leaf.shape[1:])
+        entries.append(Expected(key, role, leaf.dtype, shape))
+    return entries
+
+
+def _check_entry(td: TensorDictBase, expected: Expected, lead: tuple[int, ...]) -> None:
+    value = td.get(expected.key, None)
+    if value is None:
+        if expected.required:
+            raise ValueError(
+                f"the step input has no {expected.role} {expected.key!r}: expected a "
+                f"{expected.dtype} tensor of shape {lead + expected.shape}"
+            )
+        return
+    if expected.dtype is None:  # a non-tensor entry: present is all we can say
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{expected.role} {expected.key!r}: expected a {expected.dtype} tensor, "
+            f"got {type(value).__name__}"
+        )
+    if value.dtype != expected.dtype:
+        raise ValueError(
+            f"{expected.role} {expected.key!r}: expected dtype {expected.dtype}, "
+            f"got {value.dtype} (shape {tuple(value.shape)})"
+        )
+    _check_shape(value.shape, lead + expected.shape, expected)
+
+
+def _check_shape(shape: torch.Size, want: tuple[int, ...], expected: Expected) -> None:
+    if shape == want:
+        return
+    fits = len(shape) == len(want) and all(w in (-1, s) for s, w in zip(shape, want, strict=True))
+    if not fits:
+        raise ValueError(
+            f"{expected.role} {expected.key!r}: expected shape {want}, got {tuple(shape)}"
+            + (" (-1: any size)" if -1 in want else "")
+        )
+
+
+_CACHE: dict[tuple[int, int], tuple[Any, StepInputSpec]] = {}
+_CACHE_SIZE = 32
+
+
+def check_step_input(
+    td: TensorDictBase,
+    env_indices: int | Sequence[int] | torch.Tensor,
+    input_spec: Any,
+    num_envs: int,
+) -> list[int]:
+    """Refuse a step input the envs cannot take, before it is sent; return the indices.
+
+    The expectations are computed once per ``input_spec`` object and cached
+    (specs of a pool do not change after it is built).
+
+    Example:
+        >>> from zmqpool.testing import CountingEnv
+        >>> from tensordict import TensorDict
+        >>> spec = torch.stack([CountingEnv(env_id=i).specs for i in range(2)])["input_spec"]
+        >>> check_step_input(TensorDict({"action": torch.zeros(1, 1)}, [1]), [1], spec, 2)
+        [1]
+        >>> td = TensorDict({"action": torch.zeros(1, 1, dtype=torch.float64)}, [1])
+        >>> check_step_input(td, [1], spec, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: action 'action': expected dtype torch.float32, got torch.float64 (shape (1, 1))
+    """
+    cached = _CACHE.get((id(input_spec), num_envs))
+    if cached is None or cached[0] is not input_spec:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.clear()
+        # The spec is kept alive with its expectations, so its id cannot be reused.
+        cached = (input_spec, StepInputSpec(input_spec, num_envs))
+        _CACHE[(id(input_spec), num_envs)] = cached
+    return cached[1](td, env_indices)
