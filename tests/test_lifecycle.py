@@ -117,3 +117,22 @@ def test_unclosed_pool_cleans_up_and_does_not_block_exit(how, tmp_path):
     if how == "drop":
         assert "dropped" in out.stdout
     assert time.monotonic() - start < 110
+
+
+def test_env_instances_maybe_dense_stack_and_worker_affinity():
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    pool = ZMQAsyncEnvPool(
+        [CountingEnv(env_id=0), CountingEnv(env_id=1)],  # instances, sent to their workers
+        stack="maybe_dense",
+        worker_affinity=[[cpu], [cpu]],
+        config=FAST,
+    )
+    try:
+        for pid in worker_pids(pool):
+            assert os.sched_getaffinity(pid) == {cpu}
+        td = pool.reset()
+        assert td["observation"][:, 0].tolist() == [0.0, 1.0]
+        td["action"] = torch.full((2, 1), 0.5)
+        assert pool.step(td)["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+    finally:
+        pool.close()

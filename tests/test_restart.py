@@ -207,6 +207,20 @@ def test_crash_loop_raises_naming_the_env_and_spares_the_others():
         pool.close()
 
 
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death():
+    config = PoolConfig(
+        register_timeout_s=90.0, close_timeout_s=2.0, heartbeat_interval_s=0.1, heartbeat_liveness=3
+    )
+    slow = {"env_id": 0, "step_sleep_s": (1.5, 1.5)}  # five heartbeat timeouts per step
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[slow], config=config)
+    try:
+        pool.reset()
+        assert step_one(pool)["next", "observation"][0, 1].item() == 1
+        assert pool.last_restarted_envs == [] and pool.stats()[0]["restarts"] == 0
+    finally:
+        pool.close()
+
+
 def test_a_trainer_pause_longer_than_the_heartbeat_timeout_restarts_nothing():
     config = PoolConfig(
         register_timeout_s=90.0, close_timeout_s=2.0, heartbeat_interval_s=0.1, heartbeat_liveness=3
