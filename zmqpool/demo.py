@@ -148,7 +148,12 @@ class Killer:
         self.old_pid = process.pid
         os.kill(self.old_pid, signal.SIGKILL)
         self.killed_at = time.monotonic()
-        self.out(f"killed worker {self.identity.decode()} (pid {self.old_pid}) with SIGKILL")
+        self.out(f"killed {self._name()} (pid {self.old_pid}) with SIGKILL")
+
+    def _name(self) -> str:
+        # The identity carries the pool's secret suffix: show only the worker's index.
+        text = (self.identity or b"?").decode()
+        return f"worker {text.split('.')[0].removeprefix('w')}"
 
     def check(self) -> None:
         """Say so once the killed worker's identity belongs to a new process."""
@@ -158,8 +163,7 @@ class Killer:
         if process is not None and process.pid != self.old_pid:
             self.restarts += 1
             waited = time.monotonic() - self.killed_at
-            name = self.identity.decode()
-            self.out(f"worker {name} restarted: pid {process.pid}, {waited:.2f} s after the kill")
+            self.out(f"{self._name()} restarted: pid {process.pid}, {waited:.2f} s after the kill")
 
 
 def _random_actions(spec: Composite, root: TensorDictBase, envs: list[int]) -> TensorDictBase:
