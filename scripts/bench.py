@@ -68,9 +68,15 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase, ParallelEnv
 
-from zmqpool import benchenvs
-from zmqpool.benchenvs import STOP, CountingGymEnv
-from zmqpool.testing import CountingEnv
+# Measure the checkout this script lives in, whichever zmqpool is installed
+# (an editable install may point at another clone); workers inherit sys.path.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from zmqpool import benchenvs  # noqa: E402
+from zmqpool.benchenvs import STOP, CountingGymEnv  # noqa: E402
+from zmqpool.testing import CountingEnv  # noqa: E402
 
 Tick = Callable[[], int]
 """One unit of work of a row: steps some envs and returns how many env-steps it did."""
@@ -163,6 +169,8 @@ class Config:
     num_envs: int
     recv_timeout_s: float = 30.0
     row_timeout_s: float = 300.0
+    #: envs per worker process of the async pools (zmqpool's and torchrl's alike).
+    envs_per_worker: int = 1
 
 
 @dataclass
@@ -253,7 +261,8 @@ def make_zmqpool(sc: Scenario, num_envs: int, **pool_kwargs: Any) -> Any:
 
 def zmqpool_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[Tick]:
     num_envs = sc.envs(cfg)
-    return async_pool_row(partial(make_zmqpool, sc, num_envs), num_envs, cfg)
+    make = partial(make_zmqpool, sc, num_envs, envs_per_worker=cfg.envs_per_worker)
+    return async_pool_row(make, num_envs, cfg)
 
 
 def zmqpool_tcp_row(
@@ -265,7 +274,8 @@ def zmqpool_tcp_row(
     network adds its own.
     """
     num_envs = sc.envs(cfg)
-    return async_pool_row(partial(make_zmqpool, sc, num_envs, **tcp_kwargs), num_envs, cfg)
+    make = partial(make_zmqpool, sc, num_envs, envs_per_worker=cfg.envs_per_worker, **tcp_kwargs)
+    return async_pool_row(make, num_envs, cfg)
 
 
 def torchrl_pool_row(
@@ -278,6 +288,7 @@ def torchrl_pool_row(
         backend="multiprocessing",
         exchange=exchange,
         create_env_kwargs=sc.env_kwargs(num_envs),
+        envs_per_worker=cfg.envs_per_worker,
     )
     return async_pool_row(make_pool, num_envs, cfg)
 
@@ -395,7 +406,7 @@ class BareZmqEcho:
         return sock
 
     def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
-        addrs = [self.router.LAST_ENDPOINT.decode(), self.pull.LAST_ENDPOINT.decode()]
+        addrs = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.router, self.pull)]
         args = [benchenvs.__file__, *addrs, peer.decode(), str(nbytes)]
         return subprocess.Popen([sys.executable, "-c", ECHO_BOOT, *args], cwd=self.tmpdir)
 
@@ -752,6 +763,160 @@ def meta(args: argparse.Namespace, cfg: Config, wall_s: float) -> dict[str, Any]
     }
 
 
+# --------------------------------------------------------------------------- zero-copy threshold
+
+
+#: Observation sizes the threshold probe tries (bytes).
+PROBE_SIZES = tuple(kib << 10 for kib in (1, 4, 16, 32, 48, 64, 128, 256, 1024))
+QUICK_PROBE_SIZES = (1 << 10, 64 << 10)
+#: Results stacked per recv by the probe's receiver, as the pool stacks replies.
+PROBE_STACK = 4
+
+
+@dataclass
+class ProbeResult:
+    """CPU per message of one (size, layout) cell of the threshold probe."""
+
+    nbytes: int
+    own_frame: bool
+    send_us: float
+    recv_us: float
+
+    @property
+    def total_us(self) -> float:
+        return self.send_us + self.recv_us
+
+
+def probe_td(nbytes: int) -> TensorDict:
+    """A result shaped like CountingEnv's: an ``nbytes`` uint8 observation, four small leaves."""
+    flag = torch.zeros(1, dtype=torch.bool)
+    leaves = {"observation": torch.ones(nbytes, dtype=torch.uint8), "reward": torch.zeros(1)}
+    leaves.update(done=flag, terminated=flag.clone(), truncated=flag.clone())
+    return TensorDict(leaves, [])
+
+
+def probe_sender(endpoint: str, nbytes: int, threshold: int, count: int, out: Any) -> None:
+    """(A forked child.) Encode and push ``count`` results; send our CPU seconds on ``out``."""
+    from zmqpool.broker import send_frames
+    from zmqpool.wire import Command, Encoder, Header, encode_message
+
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    encoder, td = Encoder(threshold), probe_td(nbytes)
+    start = time.process_time()  # every thread: zmq's I/O thread, pyzmq's zero-copy reaper
+    for seq in range(count):
+        send_frames(push, encode_message(Header(Command.RESULT, 0, seq), [encoder.encode(td)]))
+    ctx.destroy(linger=10_000)  # the receiver takes every message: this returns promptly
+    out.send(time.process_time() - start)
+
+
+def probe_receiver(pull: zmq.Socket, count: int, timeout_s: float) -> float:
+    """Receive, decode and stack (by :data:`PROBE_STACK`) ``count`` results; our CPU seconds.
+
+    Process CPU: the I/O thread reading the socket counts too (waiting does not).
+    """
+    from zmqpool.broker import recv_frames
+    from zmqpool.wire import Decoder, Header, stack_parts
+
+    decoder, parts = Decoder(), []
+    start = time.process_time()
+    for _ in range(count):
+        if not pull.poll(int(timeout_s * 1000)):
+            raise TimeoutError("threshold probe: the sender went quiet")
+        frames = recv_frames(pull)
+        parts += decoder.decode(Header.decode(frames[0].buffer), frames[1:])
+        if len(parts) == PROBE_STACK:
+            stack_parts(parts)
+            parts = []
+    return time.process_time() - start
+
+
+def probe_once(nbytes: int, own_frame: bool, count: int, timeout_s: float) -> ProbeResult:
+    """One sender process, this process receiving, over ipc: CPU per message on each side."""
+    import multiprocessing
+
+    threshold = nbytes if own_frame else nbytes + 1
+    tmpdir = tempfile.mkdtemp(prefix="zmqpool-probe-")
+    endpoint = f"ipc://{tmpdir}/probe"
+    fork = multiprocessing.get_context("fork")
+    mine, theirs = fork.Pipe()
+    args = (endpoint, nbytes, threshold, count, theirs)
+    sender = fork.Process(target=probe_sender, args=args, daemon=True)
+    sender.start()  # before our zmq context exists: a forked one is unusable
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(endpoint)
+        recv_s = probe_receiver(pull, count, timeout_s)
+        send_s = mine.recv() if mine.poll(timeout_s) else float("nan")
+        sender.join(timeout_s)
+    finally:
+        if sender.is_alive():
+            sender.kill()
+        ctx.destroy(linger=0)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return ProbeResult(nbytes, own_frame, 1e6 * send_s / count, 1e6 * recv_s / count)
+
+
+def probe_threshold(sizes: tuple[int, ...], repeats: int, timeout_s: float) -> list[ProbeResult]:
+    """Each size packed and in its own frame, alternately, ``repeats`` times; the cheapest of each.
+
+    The minimum over repeats: on a shared machine noise only ever adds time.
+    """
+    best: dict[tuple[int, bool], ProbeResult] = {}
+    for _ in range(repeats):
+        for nbytes in sizes:
+            count = max(200, min(4000, (256 << 20) // nbytes))
+            for own in (False, True):
+                r = probe_once(nbytes, own, count, timeout_s)
+                key = (nbytes, own)
+                if key not in best or r.total_us < best[key].total_us:
+                    best[key] = r
+    return list(best.values())
+
+
+def crossover(results: list[ProbeResult]) -> int | None:
+    """The smallest size from which a frame of its own is cheaper at every larger size."""
+    cells = {(r.nbytes, r.own_frame): r for r in results}
+    sizes = sorted({r.nbytes for r in results})
+    cheaper = [cells[(n, True)].total_us < cells[(n, False)].total_us for n in sizes]
+    for i, n in enumerate(sizes):
+        if all(cheaper[i:]):
+            return n
+    return None
+
+
+def probe_table(results: list[ProbeResult]) -> str:
+    cells = {(r.nbytes, r.own_frame): r for r in results}
+    lines = [
+        "| observation | packed: send / recv us | own frame: send / recv us | own / packed |",
+        "|--:|--:|--:|--:|",
+    ]
+    for n in sorted({r.nbytes for r in results}):
+        packed, own = cells[(n, False)], cells[(n, True)]
+        lines.append(
+            f"| {n // 1024} KiB | {packed.send_us:.1f} / {packed.recv_us:.1f} "
+            f"| {own.send_us:.1f} / {own.recv_us:.1f} | {own.total_us / packed.total_us:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    sizes = QUICK_PROBE_SIZES if args.quick else PROBE_SIZES
+    results = probe_threshold(sizes, 1 if args.quick else 3, timeout_s=30.0)
+    print(probe_table(results))
+    found = crossover(results)
+    where = f"{found // 1024} KiB" if found else f"above {sizes[-1] // 1024} KiB"
+    print(f"\na frame of its own is cheaper from {where} (CPU per message, sender + receiver)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"probe": [asdict(r) for r in results], "crossover_bytes": found}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -789,6 +954,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-envs", type=int, default=None, help="envs per pool (default 4, 2 with --quick)"
     )
     p.add_argument(
+        "--envs-per-worker",
+        type=int,
+        default=1,
+        help="envs hosted by each worker process of zmqpool's and torchrl's async pools",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="tiny payloads, short rows, a subset of rows: a smoke run",
@@ -798,6 +969,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=300.0,
         help="abort a row (build + run + close) after this many seconds",
+    )
+    p.add_argument(
+        "--probe-threshold",
+        action="store_true",
+        help="instead of the rows: measure where a leaf's own zero-copy frame beats packing it",
     )
     p.add_argument("--json", type=Path, default=None, help="write all results here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
@@ -811,11 +987,14 @@ def make_config(args: argparse.Namespace) -> Config:
         warmup_s=min(1.0, max(0.1, seconds / 3)),
         num_envs=args.num_envs or (2 if args.quick else 4),
         row_timeout_s=args.row_timeout,
+        envs_per_worker=args.envs_per_worker,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.probe_threshold:
+        return run_probe(args)
     cfg = make_config(args)
     table = build_scenarios(args.quick)
     scenarios = [table[n] for n in (args.scenarios or table) if n in table]
@@ -824,7 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = judge(results)
     wall_s = time.perf_counter() - start
     print(markdown_table(results, verdicts))
-    print(f"\n{len(results)} rows in {wall_s:.1f} s; targets are informational.")
+    per_worker = f"; async pools host {cfg.envs_per_worker} envs per worker process"
+    print(f"\n{len(results)} rows in {wall_s:.1f} s{per_worker}; targets are informational.")
     if args.json:
         write_json(args.json, results, verdicts, meta(args, cfg, wall_s))
     if args.plot:

@@ -469,9 +469,16 @@ class FakePush:
 
     def __init__(self) -> None:
         self.sent: list[list[Any]] = []
+        self._parts: list[bytes] = []
 
     def send_multipart(self, frames, copy=True) -> None:
         self.sent.append([bytes(memoryview(f).cast("B")) for f in frames])
+
+    def send(self, frame, flags=0, copy=True) -> None:
+        self._parts.append(bytes(memoryview(frame).cast("B")))
+        if not flags & zmq.SNDMORE:  # the last frame of a message
+            self.sent.append(self._parts)
+            self._parts = []
 
 
 @pytest.fixture

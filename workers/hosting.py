@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
@@ -132,6 +134,7 @@ class EnvHost:
     @classmethod
     def build(cls, indices: Sequence[int], recipes: Sequence[EnvRecipe]) -> EnvHost:
         """Build every env; an env maker that raises becomes an :class:`EnvMakerError`."""
+        limit_torch_threads()
         envs = {}
         for index, recipe in zip(indices, recipes, strict=True):
             try:
@@ -156,6 +159,23 @@ class EnvHost:
             # Closing is best effort: the process is about to exit.
             with contextlib.suppress(Exception):
                 env.close()
+
+
+#: Environment variable: torch threads per worker process (0: torch's default).
+WORKER_THREADS_VAR = "ZMQPOOL_WORKER_THREADS"
+
+
+def limit_torch_threads() -> None:
+    """Give torch one intra-op thread in this worker, as ParallelEnv does (``num_sub_threads``).
+
+    Every worker otherwise starts one spinning OpenMP thread per core: with a
+    pool of workers on a few cores, an env making a 1 MiB tensor spent more
+    CPU in those threads than in its step (measured in docs/PERFORMANCE.md).
+    ``ZMQPOOL_WORKER_THREADS`` overrides the count (``0``: leave torch's default).
+    """
+    threads = int(os.environ.get(WORKER_THREADS_VAR, "1"))
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def empty_like_batch(env: EnvBase) -> TensorDict:

@@ -88,7 +88,7 @@ def echo_peer(
         sock.setsockopt(zmq.LINGER, 0)
     dealer.connect(router_addr)
     push.connect(pull_addr)
-    payload = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+    payload = bytearray(nbytes)  # allocated once, sent without copying
     try:
         dealer.send(HELLO)
         while dealer.poll(int(idle_s * 1000)):

@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -47,6 +47,11 @@ log = logging.getLogger("zmqpool")
 _CHECKED_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
 
 _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
+
+
+def _is_plain_batch(tensordict: Any) -> TypeGuard[TensorDict]:
+    """A TensorDict itself (not a subclass or lazy stack) of one batch dim: the fast path."""
+    return type(tensordict) is TensorDict and tensordict.batch_dims == 1
 
 
 def _is_single_maker(env_makers: Any) -> bool:
@@ -440,10 +445,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         A plain batch with its env indices (the hot path) is tagged here, at a
         fraction of the cost: its ``env_index`` is the same ``NonTensorStack``.
         """
-        if isinstance(env_index, list) and type(tensordict) is TensorDict:
-            if tensordict.batch_dims == 1:
-                self._assembler.set_env_index(tensordict, env_index)
-                return tensordict, env_index  # both checked by _check_indices already
+        if isinstance(env_index, list) and _is_plain_batch(tensordict):
+            self._assembler.set_env_index(tensordict, env_index)
+            return tensordict, env_index  # both checked by _check_indices already
         tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
         env_idx = self._check_indices(list(env_idx), tensordict)
         return tensordict, env_idx
@@ -561,7 +565,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     ) -> list[Reply]:
         """Wait (up to ``timeout``) for ``min_get`` replies, then take what else is ready."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump(0)
+        drained = self._pump(0)
         while self._ledger.count_ready(channel) < min_get:
             self._raise_ready_error(channel)
             remaining = self._remaining(deadline)
@@ -570,8 +574,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"async recv timed out: {self._ledger.count_ready(channel)}/{min_get} results "
                     f"after {timeout}s; they remain available to the next call."
                 )
-            self._pump(remaining)
-        self._top_up(channel, max_get)
+            drained = self._pump(remaining)
+        if not drained:  # a pump that read everything just now left nothing to top up
+            self._top_up(channel, max_get)
         self._raise_ready_error(channel)
         return sorted(self._ledger.take(channel, max_get), key=lambda r: r.env)
 
@@ -589,13 +594,17 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             return self.config.heartbeat_interval_s
         return min(deadline - time.monotonic(), self.config.heartbeat_interval_s)
 
-    def _pump(self, timeout_s: float) -> None:
-        """Move frames in, then let the supervisor act on deaths, timers and silences."""
+    def _pump(self, timeout_s: float) -> bool:
+        """Move frames in, then let the supervisor act on deaths, timers and silences.
+
+        Returns whether every socket was read to the end.
+        """
         wake = self._supervisor.next_wakeup() - time.monotonic()
         drained = self._broker.poll(max(0.0, min(timeout_s, wake)))
         for event in self._broker.take_events():
             self._supervisor.on_event(event)
         self._supervisor.tick(time.monotonic(), judge=drained)
+        return drained
 
     def _raise_ready_error(self, channel: Channel) -> None:
         reply = self._ledger.first_error(channel)
