@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench.py --quick``: it runs, and every row it ran produced a number.
+"""Smoke test of ``scripts/bench.py --quick`` (and its threshold probe): they run and measure.
 
 The numbers themselves are not judged (the targets are informational); this
 only checks that every scenario ran zmqpool plus at least one reference row,
@@ -84,3 +84,16 @@ def test_plot_is_a_png(quick_run):
     png = out / "r.png"
     assert png.exists()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_threshold_probe_measures_both_layouts(tmp_path):
+    argv = [sys.executable, str(SCRIPT), "--probe-threshold", "--quick"]
+    argv += ["--json", str(tmp_path / "probe.json")]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "| observation |" in proc.stdout
+    report = json.loads((tmp_path / "probe.json").read_text())
+    cells = {(r["nbytes"], r["own_frame"]) for r in report["probe"]}
+    assert cells == {(n, own) for n in (1 << 10, 64 << 10) for own in (False, True)}
+    assert all(r["send_us"] > 0 and r["recv_us"] > 0 for r in report["probe"])
+    assert "crossover_bytes" in report

@@ -545,7 +545,8 @@ class Encoder:
 
     def __init__(self, zero_copy_threshold: int = ZERO_COPY_THRESHOLD) -> None:
         self.zero_copy_threshold = zero_copy_threshold
-        self._ids: dict[tuple, tuple[int, Layout]] = {}
+        # signature (a tensordict's) or Layout (a packed part's) -> (layout id, layout)
+        self._ids: dict[tuple | Layout, tuple[int, Layout]] = {}
         self._announced: set[int] = set()
         # id(layout) -> (layout id, layout): the layout is held, so the id stays its own.
         self._by_layout: dict[int, tuple[int, Layout]] = {}
@@ -574,7 +575,9 @@ class Encoder:
         layout = part.layout
         known = self._by_layout.get(id(layout))
         if known is None or known[1] is not layout:
-            known = self._ids.setdefault(layout.signature(), (len(self._ids), layout))
+            # Keyed by the layout itself: its frames are laid out already, maybe
+            # by another threshold than ours, so a tensordict's id will not do.
+            known = self._ids.setdefault(layout, (len(self._ids), layout))
             self._by_layout[id(layout)] = (known[0], layout)
         layout_id = known[0]
         nontensor = list(part.nontensor) or None
@@ -953,7 +956,13 @@ def _checked_buffers(layout: Layout, frames: Sequence[Any]) -> list[memoryview]:
 
 
 def _unpack(layout: Layout, buffers: Sequence[memoryview]) -> list[torch.Tensor]:
-    """Views on (size-checked) buffers, one per leaf."""
+    """Views on (size-checked) buffers, one per leaf.
+
+    A read-only packed frame (zmq's) is copied once, so that its small leaves
+    are cheap numpy views; a large leaf's own frame is viewed as it is, no copy.
+    """
+    if buffers and buffers[0].readonly and not _all_own(layout):
+        buffers = [memoryview(bytearray(buffers[0])), *buffers[1:]]
     if not any(buffer.readonly for buffer in buffers):
         return [_numpy_view(buffers[leaf.frame], leaf) for leaf in layout.leaves]
     flat = [_as_uint8(buffer) for buffer in buffers]

@@ -1,0 +1,157 @@
+"""The hot loop's shortcuts give what the general paths they bypass give.
+
+- :class:`~zmqpool.wire.RowPacker`: each packed row of a batch is, byte for
+  byte, what ``Encoder.encode`` makes of that row; stacking the rows is the batch.
+- Decoding writable buffers (a worker's bytearrays: numpy views) gives what
+  read-only zmq frames give (torch views).
+- ``env_index_stack(idx)`` builds the object ``NonTensorStack(*idx)`` builds.
+- ``step_next(env, td)`` is ``env.step(td)["next"]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import NonTensorStack, TensorDict
+from torchrl.envs import EnvBase
+
+from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
+from workers.hosting import step_next
+from zmqpool import assembly
+from zmqpool.testing import CountingEnv
+from zmqpool.wire import (
+    ZERO_COPY_THRESHOLD,
+    Command,
+    Decoder,
+    Encoder,
+    Header,
+    RowPacker,
+    encode_message,
+    stack_parts,
+)
+
+EXCLUDE = ("env_index", "next")
+
+
+@st.composite
+def batches(draw) -> TensorDict:
+    rows = draw(st.integers(1, 3))
+    extra = tuple(draw(st.lists(st.integers(0, 2), max_size=1)))
+    return draw(tensordicts(batch=(rows, *extra)))
+
+
+def _packable(batch: TensorDict) -> bool:
+    """Tensors only, every nested tensordict non-empty and of the batch's own batch size."""
+    for value in batch.values():
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(value, TensorDict) or value.batch_size != batch.batch_size:
+                return False
+            if not value.keys() or not _packable(value):
+                return False
+    return True
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([1, ZERO_COPY_THRESHOLD]))
+def test_a_packed_row_is_the_encoded_row(batch, threshold):
+    rows = RowPacker(threshold).pack(batch)
+    assert (rows is not None) == _packable(batch)
+    if rows is None:
+        return
+    for i, row in enumerate(rows):
+        encoded = Encoder(threshold).encode(batch[i])
+        assert [bytes(b) for b in row.buffers] == [bytes(memoryview(f)) for f in encoded.frames]
+        assert row.layout.to_data() == encoded.new_layout
+
+
+@SETTINGS
+@given(batches())
+def test_stacking_packed_rows_is_the_batch(batch):
+    rows = RowPacker().pack(batch)
+    if rows is not None:
+        assert canonical(stack_parts(rows)) == canonical(batch)
+        assert canonical(rows[-1].to_tensordict()) == canonical(batch[len(rows) - 1])
+
+
+def test_packing_leaves_out_the_excluded_keys_and_non_tensors_fall_back():
+    batch = TensorDict({"action": torch.arange(4.0).reshape(2, 2)}, [2])
+    batch.set("env_index", assembly.env_index_stack([3, 5]))
+    batch.set("next", TensorDict({"x": torch.zeros(2, 1)}, [2]))
+    rows = RowPacker().pack(batch, exclude=EXCLUDE)
+    assert rows is not None
+    assert list(stack_parts(rows).keys()) == ["action"]
+    batch.set_non_tensor("info", "text")
+    assert RowPacker().pack(batch, exclude=EXCLUDE) is None
+
+
+@SETTINGS
+@given(tensordicts())
+def test_writable_buffers_decode_like_zmq_frames(td):
+    frames = encode_message(Header(Command.RESULT, 0, 1), [Encoder().encode(td)])
+    header = Header.decode(bytes(memoryview(frames[0])))
+    readonly = Decoder().decode(header, as_received(frames)[1:])[0]
+    writable = Decoder().decode(header, [bytearray(memoryview(f)) for f in frames[1:]])[0]
+    assert canonical(writable.to_tensordict()) == canonical(readonly.to_tensordict())
+
+
+def test_an_encoder_announces_a_packed_layout_once_per_connection():
+    encoder = Encoder()
+    row = RowPacker().pack(TensorDict({"a": torch.zeros(2, 3)}, [2]))
+    assert row is not None
+    first, second = encoder.encode(row[0]), encoder.encode(row[1])
+    assert first.new_layout is not None and second.new_layout is None
+    assert first.layout_id == second.layout_id
+    encoder.forget()  # the peer was replaced: announce again
+    assert encoder.encode(row[0]).new_layout is not None
+
+
+def test_a_packed_part_keeps_its_own_layout_beside_an_equal_tensordict():
+    # The same keys, packed by another threshold: each travels with its own layout.
+    encoder, decoder = Encoder(zero_copy_threshold=1), Decoder()
+    batch = TensorDict({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, 1)}, [2])
+    rows = RowPacker(ZERO_COPY_THRESHOLD).pack(batch)
+    assert rows is not None
+    for part in (encoder.encode(batch[0]), encoder.encode(rows[0]), encoder.encode(batch[0])):
+        frames = as_received(encode_message(Header(Command.RESULT, 0, 1), [part]))
+        got = decoder.decode(Header.decode(frames[0]), frames[1:])[0].to_tensordict()
+        assert canonical(got) == canonical(batch[0])
+
+
+@pytest.mark.parametrize("idx", [[0], [2, 0, 1], list(range(7))])
+def test_env_index_stack_builds_what_non_tensor_stack_builds(idx):
+    assert assembly._FAST_ITEMS  # this tensordict takes the shortcut
+    fast, slow = assembly.env_index_stack(idx), NonTensorStack(*idx)
+    assert assembly._same_state(fast, slow)
+    assert fast.tolist() == idx and fast.batch_size == slow.batch_size
+
+
+def _next_of(stepper, td: TensorDict) -> dict:
+    env = CountingEnv(env_id=2)
+    env.reset()
+    return canonical(stepper(env, td.clone()))
+
+
+def test_step_next_is_the_next_of_env_step():
+    td = TensorDict({"action": torch.tensor([0.5])}, [])
+    expected = _next_of(lambda env, t: env.step(t).get("next"), td)
+    assert _next_of(step_next, td) == expected
+    partial = td.clone()
+    partial.set("_step", torch.tensor(True))  # partial steps: EnvBase.step itself
+    assert _next_of(step_next, partial) == expected
+
+
+class _OwnStep(CountingEnv):
+    def step(self, tensordict):
+        out = super().step(tensordict)
+        out.set(("next", "stepped_by"), torch.ones(1))
+        return out
+
+
+def test_an_env_with_its_own_step_keeps_it():
+    env = _OwnStep()
+    env.reset()
+    assert type(env).step is not EnvBase.step
+    out = step_next(env, TensorDict({"action": torch.zeros(1)}, []))
+    assert out["stepped_by"].tolist() == [1.0]
