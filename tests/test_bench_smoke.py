@@ -79,6 +79,22 @@ def test_ratios_and_targets_are_computed(quick_run):
         assert target["passed"] in (True, False), target
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="CPU accounting reads /proc")
+def test_cpu_per_step_counts_the_worker_processes(quick_run):
+    _, out = quick_run
+    for r in results_of(out):
+        # (seconds from clock ticks, subtracted: equal shares may differ in the last bit)
+        assert r["cpu_us_per_step"] >= r["trainer_cpu_us_per_step"] * (1 - 1e-9), r
+        assert r["trainer_cpu_us_per_step"] >= 0, r
+        assert r["switches_per_step"] >= 0, r
+    cells = {(r["scenario"], r["row"]): r for r in results_of(out)}
+    # The envs step in the workers: a pool's total is well above its trainer's share,
+    # and stepping in-process leaves nothing outside the trainer.
+    pool, serial = cells[("cheap", "zmqpool")], cells[("cheap", "serial")]
+    assert pool["cpu_us_per_step"] > 1.5 * pool["trainer_cpu_us_per_step"], pool
+    assert serial["cpu_us_per_step"] == pytest.approx(serial["trainer_cpu_us_per_step"]), serial
+
+
 def test_plot_is_a_png(quick_run):
     _, out = quick_run
     png = out / "r.png"

@@ -135,6 +135,85 @@ def test_bounds_are_bit_exact(dtype: torch.dtype) -> None:
     assert torch.equal(out.space.high, high)
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.reshape(-1))
+    return flat.view(torch.uint8)
+
+
+def assert_bitwise_fresh(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same dtype, shape and bits as ``expected``, laid out as a fresh tensor, and writable."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert torch.equal(bits(out), bits(expected))
+    assert out.stride() == torch.empty(expected.shape, dtype=expected.dtype).stride()
+    out.reshape(-1)[:1] = out.reshape(-1)[:1].clone()  # a real tensor, not an expanded view
+
+
+def test_a_pixel_spec_with_scalar_bounds_travels_in_a_few_bytes() -> None:
+    spec = Bounded(0, 255, shape=(3, 512, 512), dtype=torch.uint8)
+    data = spec_to_data(spec)
+    assert len(msgpack.packb(data, use_bin_type=True)) < 300  # was 1.57 MB, element by element
+    one = {"dtype": "uint8", "shape": [1, 1, 1], "data": b"\0", "expand": [3, 512, 512]}
+    assert data["low"] == one
+    out = round_trip(spec)
+    assert_bitwise_fresh(out.space.low, spec.space.low)
+    assert_bitwise_fresh(out.space.high, spec.space.high)
+    assert out.space.low.data_ptr() != out.space.high.data_ptr()
+
+
+def test_per_channel_bounds_travel_one_element_per_channel() -> None:
+    low = torch.tensor([0.0, -1.0, 2.5]).view(3, 1, 1).expand(3, 64, 64)
+    spec = Bounded(low, low + 1, shape=(3, 64, 64))
+    data = spec_to_data(spec)
+    assert data["low"]["shape"] == [3, 1, 1] and data["low"]["expand"] == [3, 64, 64]
+    out = round_trip(spec)
+    assert_bitwise_fresh(out.space.low, low)
+
+
+def test_bounds_that_vary_everywhere_travel_whole() -> None:
+    low = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    data = spec_to_data(Bounded(low, low + 1, shape=(3, 4)))
+    assert "expand" not in data["low"] and data["low"]["shape"] == [3, 4]
+    one = spec_to_data(Bounded(-1.0, 1.0, shape=(1,)))  # nothing to shrink: sent whole
+    assert "expand" not in one["low"]
+
+
+def test_broadcast_bounds_compare_bits_not_values() -> None:
+    # -0.0 == 0.0 and NaN != NaN: only bitwise-equal slices may be shrunk.
+    signed = torch.tensor([[0.0, -0.0], [0.0, -0.0]])
+    nans = torch.tensor([[0x7FC00000, 0x7FC00001]] * 2, dtype=torch.int32).view(torch.float32)
+    for low in (signed, nans, torch.full((2, 2), float("nan"))):
+        data = spec_to_data(Bounded(low, torch.ones(2, 2), shape=(2, 2)))
+        out = spec_from_data(wire(data))  # NaN bounds: Bounded.__eq__ cannot tell, bits can
+        assert_bitwise_fresh(out.space.low, low)
+    assert spec_to_data(Bounded(signed, 1.0, shape=(2, 2)))["low"]["shape"] == [1, 2]
+    assert spec_to_data(Bounded(nans, 1.0, shape=(2, 2)))["low"]["shape"] == [1, 2]
+
+
+SHAPES = st.lists(st.integers(0, 4), max_size=4)
+BOUND_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=SHAPES,
+    dtype=st.sampled_from(BOUND_DTYPES),
+    constant=st.lists(st.booleans(), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_any_bound_round_trips_bit_exact_with_fresh_strides(
+    shape: list[int], dtype: torch.dtype, constant: list[bool], seed: int
+) -> None:
+    # Few distinct values, repeated along random dims: every shrink pattern occurs.
+    generator = torch.Generator().manual_seed(seed)
+    base_shape = [1 if constant[i] else n for i, n in enumerate(shape)]
+    values = torch.tensor([0.0, -0.0, 1.0, float("nan"), -3.5])
+    picks = torch.randint(0, 2 if dtype == torch.bool else 5, base_shape, generator=generator)
+    low = values[picks].to(dtype).expand(shape)
+    out = spec_from_data(wire(spec_to_data(Bounded(low, low, shape=shape, dtype=dtype))))
+    assert_bitwise_fresh(out.space.low, low)
+    assert_bitwise_fresh(out.space.high, low)
+
+
 def test_masks_survive() -> None:
     mask = torch.tensor([True, False, True])
     out = round_trip(Categorical(3, shape=(2,), mask=mask))
@@ -273,6 +352,13 @@ def with_(data: dict[str, Any], **changes: Any) -> dict[str, Any]:
     return out
 
 
+def pixel_data(**low: Any) -> dict[str, Any]:
+    """A broadcast uint8 bound's data, with ``low`` changed."""
+    data = spec_to_data(Bounded(0, 255, shape=(3, 4, 4), dtype=torch.uint8))
+    data["low"].update(low)
+    return data
+
+
 def nested_data(depth: int) -> dict[str, Any]:
     data: dict[str, Any] = spec_to_data(Unbounded(shape=(1,)))
     for _ in range(depth):
@@ -322,6 +408,35 @@ BAD_DATA = {
     "low-not-dict": with_(bounded_data(), low=[0.0, 0.0]),
     "low-extra-key": with_(
         bounded_data(), low={"dtype": "float32", "shape": [2], "data": b"\0" * 8, "x": 1}
+    ),
+    "expand-wrong-byte-length": pixel_data(data=b"\0\0"),
+    "expand-no-bytes": pixel_data(data=b""),
+    "expand-bytes-not-bytes": pixel_data(data=0),
+    "expand-negative-dim": pixel_data(expand=[3, -4, 4]),
+    "expand-huge-dim": pixel_data(expand=[3, 2**40, 4]),
+    "expand-too-many-elements": pixel_data(expand=[2**16, 2**16, 1]),
+    # Within the caps, but far beyond the leaf's (counted) shape: refused before
+    # allocating the 8 GB the expansion would take.
+    "expand-beyond-the-leaf": pixel_data(expand=[2**31, 1, 1]),
+    "expand-not-the-leaf-shape": pixel_data(expand=[3, 4, 5]),
+    "expand-fewer-dims": pixel_data(expand=[4, 4]),
+    "expand-more-dims": pixel_data(expand=[1, 3, 4, 4]),
+    "expand-not-broadcastable": pixel_data(shape=[2, 1, 1], data=b"\0\0", expand=[3, 4, 4]),
+    "expand-not-list": pixel_data(expand="3,4,4"),
+    "expand-float-dims": pixel_data(expand=[3.0, 4.0, 4.0]),
+    "expand-none": pixel_data(expand=None),
+    "expand-wrong-dtype": pixel_data(dtype="int8"),
+    "expand-bad-bool-bytes": with_(
+        spec_to_data(Bounded(False, True, shape=(4,), dtype=torch.bool)),
+        low={"dtype": "bool", "shape": [1], "data": b"\x02", "expand": [4]},
+    ),
+    "expand-on-a-mask": with_(
+        spec_to_data(Categorical(3, shape=(2,))),
+        mask={"dtype": "bool", "shape": [1, 1], "data": b"\x01", "expand": [2, 3]},
+    ),
+    "expand-on-nvec": with_(
+        spec_to_data(MultiCategorical([2, 2])),
+        nvec={"dtype": "int64", "shape": [1], "data": (2).to_bytes(8, "little"), "expand": [2]},
     ),
     "categorical-n-float": with_(spec_to_data(Categorical(3)), n=3.0),
     "categorical-n-bool": with_(spec_to_data(Categorical(3)), n=True),
@@ -405,6 +520,18 @@ def test_tree_element_budget_counts_all_leaves(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ProtocolError, match="more than 100 elements"):
         spec_to_data(spec)
     spec_from_data(spec_to_data(Composite(a=Unbounded(shape=(50,)), b=Unbounded(shape=(50,)))))
+
+
+def test_tree_element_budget_counts_broadcast_bounds_at_full_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A few bytes each, but materialised at the leaf's shape: they count as such.
+    spec = Composite(a=Bounded(0, 1, shape=(60,)), b=Bounded(0, 1, shape=(60,)))
+    data = spec_to_data(spec)
+    assert data["entries"]["a"]["low"]["expand"] == [60]
+    monkeypatch.setattr(specs_module, "MAX_NUMEL", 100)
+    with pytest.raises(ProtocolError, match="more than 100 elements"):
+        spec_from_data(data)
 
 
 def test_error_names_the_path_and_field() -> None:

@@ -23,13 +23,20 @@ import time
 import traceback
 from typing import Any
 
+import msgpack
 import zmq
 
 from workers.hosting import EnvHost
-from zmqpool.errors import EnvMakerError, ProtocolError, RegistrationError
+from zmqpool.errors import (
+    EnvMakerError,
+    ProtocolError,
+    RegistrationError,
+    VersionMismatchError,
+)
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
 from zmqpool.wire import (
+    MAX_CONTROL_BYTES,
     Command,
     Decoder,
     Encoder,
@@ -38,6 +45,14 @@ from zmqpool.wire import (
 )
 
 log = logging.getLogger("workers")
+
+#: The most characters of an error's text, and of its traceback, that a FAILED or
+#: ERROR message carries. A header over the pool's limit is lost without a word
+#: (its ROUTER's MAXMSGSIZE, the decoder's MAX_HEADER_BYTES), taking the one
+#: explanation the user gets with it; at 4 UTF-8 bytes a character at worst,
+#: both together stay under a quarter of :data:`~zmqpool.wire.MAX_CONTROL_BYTES`.
+MAX_ERROR_CHARS = 4_000
+MAX_TRACEBACK_CHARS = 60_000
 
 
 class Worker:
@@ -114,11 +129,25 @@ class Worker:
             "specs": [spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)],
         }
         message = Header(Command.REGISTER, body={"reg": reg}).encode()
+        if len(message) > MAX_CONTROL_BYTES:
+            self._refuse_oversized(len(message), reg)
         header = self._register_until_answered(message)
         if header.command == Command.REFUSE:
             reason = (header.body or {}).get("err", "no reason given")
             raise RegistrationError(f"the pool at {self.router} refused this worker: {reason}")
         self._accept_welcome((header.body or {}).get("reg"))
+
+    def _refuse_oversized(self, size: int, reg: dict[str, Any]) -> None:
+        """Raise, saying why, rather than send a REGISTER the pool's ROUTER would drop unseen.
+
+        A local worker's pool is waiting for it: it hears why too (a FAILED
+        message, small), so the trainer raises at construction, naming the env.
+        """
+        names = {i: type(env).__name__ for i, env in self.host.envs.items()}
+        env, text = oversized_registration(size, reg["envs"], reg["specs"], names)
+        if not self.remote_slots:
+            self._send_failed(env, {"err": text, "tb": "", "kind": "register"})
+        raise RegistrationError(f"cannot register with the pool at {self.router}: {text}")
 
     def _register_until_answered(self, message: bytes) -> Header:
         timeout = self.register_timeout_s
@@ -146,6 +175,13 @@ class Worker:
             frames = self.dealer.recv_multipart()
             try:
                 header = Header.decode(frames[0])
+            except VersionMismatchError as err:
+                # The pool's REFUSE is written in its version, which we cannot read:
+                # any message from it in another version means we will never agree.
+                raise RegistrationError(
+                    f"the pool at {self.router} speaks another protocol version ({err}): "
+                    "run the same zmqpool version on the trainer and the workers"
+                ) from err
             except ProtocolError as err:
                 log.warning("dropped a malformed message while registering: %s", err)
                 continue
@@ -195,13 +231,31 @@ class Worker:
             while not self._stop.is_set():
                 if self.pool_lost.is_set() and self.remote_slots:
                     self._rejoin()
-                if not self.dealer.poll(int(self.heartbeat_interval_s * 1000)):
-                    continue
-                frames = self.dealer.recv_multipart(copy=True)
-                if not self._handle(frames):
+                frames = self._next_command()
+                if frames is not None and not self._handle(frames):
                     break
         finally:
             self._stop.set()
+
+    def _next_command(self) -> list[bytes] | None:
+        """The next command's frames, waiting up to a heartbeat interval (``None``: nothing).
+
+        Reads first and polls only when nothing is queued: ``Socket.poll``
+        builds a ``Poller`` per call, which costs more than the read when
+        commands queue up (several envs per worker). ``frame.more`` is read off
+        each frame instead of asking the socket for ``RCVMORE``.
+        """
+        try:
+            frame = self.dealer.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self.dealer.poll(int(self.heartbeat_interval_s * 1000)):
+                return None
+            frame = self.dealer.recv(copy=False)
+        frames = [frame.bytes]
+        while frame.more:
+            frame = self.dealer.recv(copy=False)
+            frames.append(frame.bytes)
+        return frames
 
     def _handle(self, frames: list[bytes]) -> bool:
         """Handle one message; False when told to close."""
@@ -239,11 +293,13 @@ class Worker:
         malformed = isinstance(err, ProtocolError)
         what = "malformed command" if malformed else "env raised"
         log.warning("env %d: %s: %r", header.env, what, err)
-        body = {
-            "err": f"{what}: {err!r}",
-            "tb": traceback.format_exc(),
-            "kind": "protocol" if malformed else "env",  # "env" may restart the worker
-        }
+        body = clipped_failure(
+            {
+                "err": f"{what}: {err!r}",
+                "tb": traceback.format_exc(),
+                "kind": "protocol" if malformed else "env",  # "env" may restart the worker
+            }
+        )
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:
@@ -266,7 +322,10 @@ class Worker:
 
     def report_maker_failure(self, err: EnvMakerError) -> None:
         body = {"err": str(err).split("\n", 1)[0], "tb": err.remote_traceback}
-        self.dealer.send(Header(Command.FAILED, err.env_index, body=body).encode())
+        self._send_failed(err.env_index, body)
+
+    def _send_failed(self, env: int, body: dict[str, Any]) -> None:
+        self.dealer.send(Header(Command.FAILED, env, body=clipped_failure(body)).encode())
         # Give the message a moment to leave before the process exits (linger is 0).
         time.sleep(0.2)
 
@@ -317,6 +376,95 @@ class _PoolWatch:
         if self.sub is not None:
             self.sub.close()
             self.sub = None
+
+
+def clipped_failure(body: dict[str, Any]) -> dict[str, Any]:
+    """A FAILED or ERROR body with its ``"err"`` and ``"tb"`` clipped to fit any pool.
+
+    Example:
+        >>> body = clipped_failure({"err": "boom", "tb": "x" * 100_000, "kind": "env"})
+        >>> body["err"], len(body["tb"]) <= MAX_TRACEBACK_CHARS, body["kind"]
+        ('boom', True, 'env')
+    """
+    return {
+        **body,
+        "err": clip_middle(str(body.get("err", "")), MAX_ERROR_CHARS),
+        "tb": clip_middle(str(body.get("tb", "")), MAX_TRACEBACK_CHARS),
+    }
+
+
+def clip_middle(text: str, limit: int) -> str:
+    """``text``, or if longer than ``limit`` characters its head and tail around a marker.
+
+    The tail gets two thirds: a traceback ends with the innermost frames and
+    the exception, what a reader looks for first; its head says where it began.
+
+    Example:
+        >>> print(clip_middle("a" * 300 + "b" * 600, 78))
+        aaaaaaaaaa
+        ... [870 characters cut] ...
+        bbbbbbbbbbbbbbbbbbbb
+    """
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - _MARKER_RESERVE)
+    head = keep // 3
+    marker = f"\n... [{len(text) - keep} characters cut] ...\n"
+    return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
+#: Characters set aside for clip_middle's marker (its count has at most 19 digits).
+_MARKER_RESERVE = 48
+
+
+def oversized_registration(
+    size: int, envs: list[int], specs: list[Any], names: dict[int, str]
+) -> tuple[int, str]:
+    """The env whose specs weigh most in a too-large REGISTER, and what to tell the user.
+
+    Example:
+        >>> big = {"low": {"dtype": "uint8", "shape": [3], "data": bytes(2_000_000)}}
+        >>> env, text = oversized_registration(2_000_100, [0, 1], [{}, big], {1: "Pixels"})
+        >>> env, text[:64]
+        (1, 'its REGISTER message is 2000100 bytes, over the limit of 1048512')
+    """
+    weights = [len(msgpack.packb(spec, use_bin_type=True)) for spec in specs]
+    k = max(range(len(specs)), key=weights.__getitem__)
+    env = envs[k]
+    # The few tensors that make up the weight (a 4-byte action bound would only distract).
+    tensors = [t for t in _tensor_fields(specs[k], ()) if 20 * t[0] >= weights[k]]
+    tensors = sorted(tensors, reverse=True)[:3]
+    where = ", ".join(f"{'/'.join(path)} ({nbytes} bytes)" for nbytes, path in tensors)
+    text = (
+        f"its REGISTER message is {size} bytes, over the limit of {MAX_CONTROL_BYTES} "
+        f"bytes a pool takes (zmqpool.wire.MAX_CONTROL_BYTES). The specs of env {env} "
+        f"({names.get(env, 'env')}) take {weights[k]} bytes"
+        + (f", mostly per-element tensors: {where}" if where else "")
+        + ". Specs travel whole at registration: masks, and bounds that vary along every "
+        "dim, element by element (scalar or per-channel bounds take a few bytes). Declare "
+        "such large leaves without them (Unbounded rather than Bounded, no mask), or with "
+        "scalar bounds."
+    )
+    if len(specs) > 1:  # all of a worker's envs register in one message
+        text += (
+            f" This worker registers {len(specs)} envs at once: fewer envs per worker "
+            "(the pool's envs_per_worker; a remote worker without --single-process) also helps."
+        )
+    return env, text
+
+
+def _tensor_fields(data: Any, path: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
+    """``(bytes, path)`` of each tensor (``{"dtype", "shape", "data"}``) in spec data."""
+    if isinstance(data, dict) and isinstance(data.get("data"), bytes):
+        return [(len(data["data"]), path)]
+    if not isinstance(data, (dict, list)):
+        return []
+    items = data.items() if isinstance(data, dict) else enumerate(data)
+    found = []
+    for key, value in items:
+        # "entries" (a Composite's) says nothing a reader needs: keep the spec keys only.
+        found += _tensor_fields(value, path if key == "entries" else (*path, str(key)))
+    return found
 
 
 def reachable(endpoint: str, router: str) -> str:

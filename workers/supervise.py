@@ -5,8 +5,9 @@ runs this: it imports torch and torchrl once, then forks one worker process
 per env (fast, like the pool's fork server). Each child has a stable
 identity, ``<host>-<supervisor pid>-<k>``, so when it crashes and is forked
 again it rejoins the pool as the same worker: the pool answers its requests
-in flight with truncations, as for a local restart. A child refused by the
-pool (exit code 2: wrong specs, no free slot) is not restarted.
+in flight with truncations, as for a local restart. A child that cannot
+register (exit code 2: refused by the pool for wrong specs or no free slot, or
+specs too large to send) is not restarted.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class Supervisor:
         if k is None or self.stopping:
             return
         if code == REFUSED:
-            log.error("env process %d was refused by the pool; not restarting it", k)
+            log.error("env process %d could not register with the pool; not restarting it", k)
             return
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import os
 import signal
-import struct
 import sys
 import traceback
 
-REPORT = struct.Struct("!iii")
-SPAWNED, EXITED = 1, 2
+from zmqpool.launcher import EXITED, REPORT, SPAWNED  # shared with the pool
 
 
 def _read_exact(fd: int, size: int) -> bytes:

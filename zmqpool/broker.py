@@ -127,7 +127,8 @@ class Broker:
         self.router = self._socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # MAXMSGSIZE is per frame and read when an endpoint is bound. Workers send the
-        # ROUTER one-frame control messages only: nothing longer than a header.
+        # ROUTER one-frame control messages only: nothing longer than a header. A worker
+        # whose REGISTER would not fit fails on its side (wire.MAX_CONTROL_BYTES), saying why.
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
         self.pull = self._socket(zmq.PULL)
         self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
@@ -338,9 +339,15 @@ class Broker:
         handler(self, identity, header)
 
     def _refuse_if_version(self, identity: bytes, err: ProtocolError) -> None:
-        if isinstance(err, VersionMismatchError):
-            log.warning("refused worker %r: %s", identity, err)
-            self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+        if not isinstance(err, VersionMismatchError):
+            return
+        log.warning("refused worker %r: %s", identity, err)
+        # A worker of another version cannot read our REFUSE (it reads the
+        # version first and stops); our own process cannot tell us either, so
+        # the pool hears of it here.
+        self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+        if self._spawned(identity):
+            self.events.append(Event("failed", identity, {"kind": "version", "err": str(err)}))
 
     def _on_heartbeat(self, identity: bytes, header: Header) -> None:
         worker = self.workers.get(identity.removesuffix(b"!hb"))
@@ -358,6 +365,7 @@ class Broker:
             return
         body = header.body or {}
         detail = {"env": header.env, "err": body.get("err", ""), "tb": body.get("tb", "")}
+        detail["kind"] = body.get("kind", "maker")  # "register": its REGISTER would not fit
         self.events.append(Event("failed", identity, detail))
 
     def _on_register(self, identity: bytes, header: Header) -> None:

@@ -21,15 +21,15 @@ import logging
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import cloudpickle
-
-from workers.zygote import EXITED, REPORT, SPAWNED
 
 log = logging.getLogger("zmqpool")
 
@@ -142,13 +142,42 @@ def _affinity_setter(cpu_affinity: Sequence[int] | None):
     return set_affinity
 
 
+#: The fork server's reports on its pipe: (kind, pid, exit code).
+REPORT = struct.Struct("!iii")
+SPAWNED, EXITED = 1, 2
+
+#: Where our ``workers`` package is: installed (or checked out) beside ``zmqpool``.
+_WORKERS_DIR = Path(__file__).resolve().parents[1] / "workers"
+
+#: ``python -m MODULE`` with *our* ``workers`` package: ``-m`` would import the
+#: first ``workers`` on sys.path, and a user's project may well have its own
+#: (the trainer's script folder and working directory come first). The rest of
+#: our sys.path comes in through PYTHONPATH.
+_RUN_MODULE = """\
+import importlib.util, runpy, sys
+where, module = sys.argv.pop(1), sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location(
+    "workers", where + "/__init__.py", submodule_search_locations=[where])
+sys.modules["workers"] = package = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(package)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def module_argv(module: str) -> list[str]:
+    """The command line of ``python -m module`` (a module of our ``workers`` package)."""
+    return [sys.executable, "-c", _RUN_MODULE, str(_WORKERS_DIR), module]
+
+
+#: How many leading items of :func:`worker_argv` name the program (the rest are its arguments).
+_PROGRAM_ARGS = len(module_argv("workers"))
+
+
 def worker_argv(
     router: str, identity: str, indices: Sequence[int], heartbeat_s: float
 ) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "workers",
+        *module_argv("workers"),
         "--connect",
         router,
         "--identity",
@@ -196,7 +225,7 @@ class ForkServer:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.zygote", str(os.getpid())],
+            [*module_argv("workers.zygote"), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
@@ -278,7 +307,8 @@ class Launcher:
             self.fork_server = ForkServer()  # only once a local worker is wanted
         if self.fork_server is not None:
             try:
-                return self.fork_server.start(argv[3:], payload, cpu_affinity, self.timeout_s)
+                args = argv[_PROGRAM_ARGS:]
+                return self.fork_server.start(args, payload, cpu_affinity, self.timeout_s)
             except OSError as err:
                 log.warning("fork server unavailable (%s); starting workers afresh", err)
                 self.fork_server.close()

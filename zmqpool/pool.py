@@ -30,7 +30,12 @@ from zmqpool.endpoints import (
     remove_private_dir,
     tcp_endpoints,
 )
-from zmqpool.errors import EnvMakerError, PoolClosedError, RegistrationError
+from zmqpool.errors import (
+    EnvMakerError,
+    PoolClosedError,
+    RegistrationError,
+    VersionMismatchError,
+)
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
 from zmqpool.remote import RemoteSlots
 from zmqpool.security import ServerKeys
@@ -325,6 +330,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _on_setup_event(self, event: Event) -> None:
         if event.kind == "failed":
             detail = event.detail
+            if detail.get("kind") == "register":  # built, but its REGISTER could not be sent
+                raise RegistrationError(f"env {detail['env']}: {detail['err']}")
+            if detail.get("kind") == "version":
+                envs = list(self._worker_envs[self._registrar.local_identities[event.identity]])
+                raise VersionMismatchError(
+                    f"the worker of envs {envs} runs another zmqpool than this trainer "
+                    f"({detail['err']}); it imports zmqpool from its working directory or "
+                    "sys.path: check both load the same install"
+                )
             raise EnvMakerError(detail["env"], str(detail["err"]), str(detail["tb"]))
         if event.kind == "exited":
             # A FAILED message may still be in flight: give it a moment to arrive.

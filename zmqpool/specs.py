@@ -11,7 +11,7 @@ are exactly the ones listed for that class (a missing or extra key is an
 error)::
 
     Unbounded{Continuous,Discrete}   shape, device, dtype
-    Bounded{Continuous,Discrete}     shape, device, dtype, low: T, high: T
+    Bounded{Continuous,Discrete}     shape, device, dtype, low: T | E, high: T | E
     Categorical        shape, device, dtype, n: int (-1: undefined), mask: T | None
     Binary             shape, device, dtype, mask: T | None
     OneHot             shape, device, dtype, n: int, use_register: bool, mask: T | None
@@ -28,7 +28,14 @@ error)::
 from :mod:`zmqpool.wire`'s dtype whitelist (``"float32"``, ``"bfloat16"``,
 ``"bool"``...). ``T`` is a tensor ``{"dtype": str, "shape": [int], "data":
 bytes}``: its elements' raw little-endian bytes in C order, so every dtype
-crosses bit-exactly. ``example_data`` travels only if it is plain data
+crosses bit-exactly. ``E`` is a tensor sent broadcast, the same dict plus
+``"expand": [int]``: ``data`` holds the tensor of ``shape`` that expands
+(size-1 dims repeated, as :meth:`torch.Tensor.expand`) to ``expand``. Bounds
+use it: torchrl expands scalar bounds to the spec's full shape, so a uint8
+image's would otherwise cost a byte per pixel each; scalar bounds travel as
+one element, per-channel bounds as one per channel. The encoder shrinks only
+dims along which every slice is bitwise equal, so the expansion is exact.
+``example_data`` travels only if it is plain data
 (None, bool, int, float, str, bytes, lists, dicts with str keys); anything
 else (a tensor, a tuple, an object) is dropped on encode.
 
@@ -37,9 +44,14 @@ Decoding trusts nothing: every malformed input raises
 Shapes are capped at :data:`MAX_DIMS` dims and :data:`MAX_NUMEL` elements,
 the tensor leaves of one tree (all but NonTensor) at :data:`MAX_NUMEL`
 elements together, and spec nesting at :data:`MAX_DEPTH`. Tensors are sized
-from the bytes actually received; the one spec torchrl materialises from its
-shape alone is ``Unbounded`` (its low/high tensors), which the tree's element
-budget bounds however many leaves a message lists.
+from the bytes actually received, except what is materialised from a shape
+alone: ``Unbounded``'s low/high (torchrl's doing) and a broadcast bound, which
+must expand to its leaf's shape exactly (checked before anything is
+allocated); the tree's element budget, which counts each leaf's shape, bounds
+both however many leaves a message lists. Masks and ``nvec`` travel element by
+element only: their size is not tied to a leaf's counted shape (a mask's), or
+torchrl builds a Python object per element (``nvec``'s), so they must cost the
+sender what they cost us.
 Encoding refuses, with a ``ProtocolError``, what decoding would refuse: other
 spec classes, a ``Composite.data_cls``, a non-CPU device, negative
 (variable-size) dims.
@@ -88,6 +100,7 @@ MAX_DEPTH = 32
 
 _CPU = torch.device("cpu")
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+_BROADCAST_KEYS = _TENSOR_KEYS | {"expand"}
 _LEAF_KEYS = frozenset({"shape", "device", "dtype"})
 _MSGPACK_INT_RANGE = (-(2**63), 2**64 - 1)
 
@@ -214,15 +227,15 @@ def _bounded_to_data(spec: Bounded, at: _At) -> dict[str, Any]:
     low, high = spec.space.low, spec.space.high
     return {
         **_leaf_to_data(spec, at),
-        "low": _tensor_to_data(at, low),
-        "high": _tensor_to_data(at, high),
+        "low": _broadcast_to_data(at, low),
+        "high": _broadcast_to_data(at, high),
     }
 
 
 def _bounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
     shape, device, dtype = _leaf_from_data(data, at)
-    low = _tensor_field(at, data, "low", dtype, shape)
-    high = _tensor_field(at, data, "high", dtype, shape)
+    low = _tensor_field(at, data, "low", dtype, shape, broadcast=True)
+    high = _tensor_field(at, data, "high", dtype, shape, broadcast=True)
     return _call(at, Bounded, low, high, shape=shape, device=device, dtype=dtype, domain=domain)
 
 
@@ -541,25 +554,77 @@ def _tensor_to_data(at: _At, tensor: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _broadcast_to_data(at: _At, tensor: torch.Tensor) -> dict[str, Any]:
+    """``tensor`` as its smallest part that expands back to it (``E``), or whole (``T``)."""
+    base = _broadcast_base(tensor)
+    data = _tensor_to_data(at, base)
+    if base.shape != tensor.shape:
+        data["expand"] = _shape_to_data(at, tensor.shape)
+    return data
+
+
+def _broadcast_base(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` cut to its first slice along each dim whose slices are all bitwise equal.
+
+    Bits, not values: by value, -0.0 == 0.0 would merge bounds that differ (an
+    inexact round trip) and NaN != NaN would keep a uniform NaN bound whole.
+    Cutting greedily, dim after dim, finds the smallest such tensor: a tensor
+    constant along a dim stays so when cut along another.
+    """
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype).copy_(tensor.detach().reshape(-1))
+    base = flat.reshape(tensor.shape)
+    bits = flat.view(torch.uint8).reshape(*tensor.shape, tensor.dtype.itemsize)
+    for dim in range(tensor.ndim):
+        if bits.shape[dim] < 2:  # nothing to cut (and a 0-size dim has no first slice)
+            continue
+        first = bits.narrow(dim, 0, 1)
+        if torch.equal(bits, first.expand_as(bits)):
+            bits, base = first, base.narrow(dim, 0, 1)
+    return base
+
+
 def _tensor_field(
     at: _At,
     data: Mapping[str, Any],
     key: str,
     dtype: torch.dtype | None,
     shape: torch.Size | None,
+    broadcast: bool = False,
 ) -> torch.Tensor:
-    tensor = _tensor_from_data(at, key, data[key])
+    """Field ``key``, a ``T`` (or, with ``broadcast``, an ``E``) of this dtype and shape.
+
+    A broadcast tensor is a view until its shape is checked: the copy that
+    makes it a real tensor is only allocated for the leaf's own (counted) shape.
+    """
+    tensor = _tensor_from_data(at, key, data[key], broadcast)
     if dtype is not None and tensor.dtype != dtype:
         raise at.error(f"{key} has dtype {dtype_name(tensor.dtype)}, expected {dtype_name(dtype)}")
     if shape is not None and tensor.shape != shape:
         raise at.error(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
-    return tensor
+    return tensor.clone(memory_format=torch.contiguous_format) if broadcast else tensor
 
 
-def _tensor_from_data(at: _At, what: str, value: Any) -> torch.Tensor:
+def _tensor_from_data(at: _At, what: str, value: Any, broadcast: bool = False) -> torch.Tensor:
     if not isinstance(value, Mapping):
         raise at.error(f"{what} must be a tensor dict, got {type(value).__name__}")
-    _check_keys(at, value, _TENSOR_KEYS, what)
+    expand = broadcast and "expand" in value
+    _check_keys(at, value, _BROADCAST_KEYS if expand else _TENSOR_KEYS, what)
+    tensor = _whole_tensor_from_data(at, what, value)
+    return _expand(at, what, tensor, value["expand"]) if expand else tensor
+
+
+def _expand(at: _At, what: str, base: torch.Tensor, value: Any) -> torch.Tensor:
+    """A view of ``base`` expanded to shape ``value``: nothing is allocated here."""
+    shape = _shape_from_data(at, f"{what}.expand", value)
+    # torch's rule: as many dims, each of the base's either 1 or the expanded size.
+    if len(shape) != base.ndim or any(
+        b not in (1, n) for b, n in zip(base.shape, shape, strict=True)
+    ):
+        raise at.error(f"{what}: shape {list(base.shape)} does not expand to {list(shape)}")
+    return base.expand(shape)
+
+
+def _whole_tensor_from_data(at: _At, what: str, value: Mapping[str, Any]) -> torch.Tensor:
     dtype = _dtype_from_data(at, f"{what}.dtype", value["dtype"])
     shape = _shape_from_data(at, f"{what}.shape", value["shape"])
     raw = value["data"]

@@ -107,7 +107,7 @@ class Supervisor:
             self._on_exit(worker, event.detail.get("status"))
         elif event.kind == "failed":
             self._maker_traceback[worker] = str(event.detail.get("tb", ""))
-            log.warning("env maker failed in a restart of worker %d: %s", worker, event.detail)
+            log.warning("worker %d failed to come back in a restart: %s", worker, event.detail)
 
     def _on_exit(self, worker: int, status: int | None) -> None:
         cause, traceback = self._kill_cause.pop(worker, (describe_status(status), ""))

@@ -66,7 +66,10 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from zmqpool.errors import ProtocolError, VersionMismatchError
 
-PROTOCOL_VERSION = 1
+#: Bumped whenever a peer of the previous version could misread a message.
+#: 2: a spec's bounds may travel broadcast (:mod:`zmqpool.specs`' ``E``
+#: tensors), which a version-1 pool would refuse as malformed specs.
+PROTOCOL_VERSION = 2
 
 #: Leaves of at least this many bytes travel as their own zero-copy frame.
 #: Measured with ``scripts/bench.py --probe-threshold`` (CPU per message, sender
@@ -78,6 +81,12 @@ ZERO_COPY_THRESHOLD = 64 * 1024
 
 #: Upper bounds that keep a hostile header from making us allocate or loop.
 MAX_HEADER_BYTES = 1 << 20
+#: The largest control message (a REGISTER, specs and all) a worker may send:
+#: the pool's ROUTER refuses frames over :data:`MAX_HEADER_BYTES` (its
+#: ``MAXMSGSIZE``), and under CURVE libzmq counts each frame's 33 bytes of
+#: encryption against that limit too (measured). Over the limit, libzmq drops
+#: the connection without a word to either side, so workers check first.
+MAX_CONTROL_BYTES = MAX_HEADER_BYTES - 64
 MAX_LEAVES = 4096
 MAX_KEY_DEPTH = 16
 MAX_DIMS = 16
