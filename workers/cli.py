@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="host the --num-envs envs in this one process, without a supervisor",
     )
     parser.add_argument(
+        "--env-threads",
+        action="store_true",
+        help="with several envs in this process: step each in its own thread, so an env "
+        "that waits does not hold up the others",
+    )
+    parser.add_argument(
         "--slots", help="comma-separated pool env indices to ask for (default: any free slots)"
     )
     parser.add_argument("--server-key", help="the pool's CURVE public key file (server.key)")
@@ -177,6 +183,7 @@ def serve(
         remote_slots=remote,
         keys=keys,
         slots=slots,
+        env_threads=args.env_threads,
     )
     try:
         worker.host = EnvHost.build(indices, recipes)

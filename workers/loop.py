@@ -27,6 +27,7 @@ import msgpack
 import zmq
 
 from workers.hosting import EnvHost
+from workers.threads import EnvRunners
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -68,6 +69,7 @@ class Worker:
             it goes away or restarts.
         keys: CURVE keys, for a pool bound on TCP with ``curve_keys``.
         slots: the pool's env indices to ask for (remote workers; default: any free).
+        env_threads: step each hosted env in its own thread (see :mod:`workers.threads`).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Worker:
         remote_slots: bool = False,
         keys: ClientKeys | None = None,
         slots: list[int] | None = None,
+        env_threads: bool = False,
     ) -> None:
         self.router = router
         self.identity = identity
@@ -104,6 +107,8 @@ class Worker:
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.dropped = 0
+        self.runners = EnvRunners() if env_threads else None
+        self._send_lock = threading.Lock()
         self._stop = threading.Event()
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
@@ -200,11 +205,12 @@ class Worker:
         # The pool may place our envs at other indices (remote workers ask for slots).
         hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
         self.host.envs = dict(zip(envs, hosted, strict=True))
-        self.token = reg["token"]
-        if self.push is not None:
-            self.push.close()
-        self.push = self._socket(zmq.PUSH)
-        self.push.connect(reachable(results, self.router))
+        with self._send_lock:  # env threads may be replying to the old pool
+            self.token = reg["token"]
+            if self.push is not None:
+                self.push.close()
+            self.push = self._socket(zmq.PUSH)
+            self.push.connect(reachable(results, self.router))
         beats = reg.get("beats")
         self.beats = reachable(beats, self.router) if isinstance(beats, str) else None
         self.epoch = reg.get("epoch") if isinstance(reg.get("epoch"), bytes) else None
@@ -217,7 +223,8 @@ class Worker:
     def _rejoin(self) -> None:
         """The pool went away or was replaced: forget its layouts, register again."""
         log.warning("the pool at %s went away or restarted; registering again", self.router)
-        self.encoder.forget()
+        with self._send_lock:
+            self.encoder.forget()
         self.decoder = Decoder()
         self.register()
 
@@ -273,16 +280,39 @@ class Worker:
 
     def _execute(self, header: Header, frames: list[bytes]) -> None:
         try:
+            # Decoded here, in order: layouts are announced on this connection.
             # bytearray: env code may write into its input; zmq's buffers are read-only.
             parts = self.decoder.decode(header, [bytearray(f) for f in frames])
             td = parts[0].to_tensordict() if parts else None
+        except Exception as err:
+            self._send(self._error_reply(header, err))
+            return
+        env = self.host.envs.get(header.env)
+        if self.runners is None or env is None or len(self.host.envs) < 2:
+            self._run(header, td)
+        else:
+            self.runners.runner_for(env, header.env).submit(lambda: self._run(header, td))
+
+    def _run(self, header: Header, td: Any) -> None:
+        """Run one command on its env and send the reply (from an env thread, maybe)."""
+        try:
             out = self.host.run(header.command, header.env, td, header.body)
-            reply = encode_message(
-                Header(Command.RESULT, header.env, header.seq, self.token),
-                [self.encoder.encode(part) for part in out],
-            )
+            with self._send_lock:  # the encoder's layout ids and the socket are shared
+                reply = encode_message(
+                    Header(Command.RESULT, header.env, header.seq, self.token),
+                    [self.encoder.encode(part) for part in out],
+                )
+                self._send_unlocked(reply)
+            return
         except Exception as err:
             reply = self._error_reply(header, err)
+        self._send(reply)
+
+    def _send(self, reply: list[Any]) -> None:
+        with self._send_lock:
+            self._send_unlocked(reply)
+
+    def _send_unlocked(self, reply: list[Any]) -> None:
         assert self.push is not None
         # Frame by frame: send_multipart's per-part type checks cost more than the sends.
         send, last = self.push.send, len(reply) - 1
@@ -331,6 +361,8 @@ class Worker:
 
     def close(self) -> None:
         self._stop.set()
+        if self.runners is not None:
+            self.runners.stop()
         self.host.close()
         self.context.destroy(linger=0)
 

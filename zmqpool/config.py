@@ -45,13 +45,17 @@ class PoolConfig:
     #: fork local workers from a process that imported torchrl once (restarts
     #: in milliseconds); False starts each worker as a fresh interpreter.
     fork_server: bool = True
+    #: with ``envs_per_worker > 1``: step each of a worker's envs in its own
+    #: thread (as torchrl does), so an env that waits does not hold up the
+    #: others; False steps them one after another (cheaper for cheap envs).
+    env_threads: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "fork_server":
+            if field.name in ("fork_server", "env_threads"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"PoolConfig.fork_server must be a bool, got {value!r}")
+                    raise ValueError(f"PoolConfig.{field.name} must be a bool, got {value!r}")
                 continue
             if value is None and field.name == "step_timeout_s":
                 continue

@@ -174,8 +174,13 @@ _PROGRAM_ARGS = len(module_argv("workers"))
 
 
 def worker_argv(
-    router: str, identity: str, indices: Sequence[int], heartbeat_s: float
+    router: str,
+    identity: str,
+    indices: Sequence[int],
+    heartbeat_s: float,
+    env_threads: bool = False,
 ) -> list[str]:
+    threads = ["--env-threads"] if env_threads and len(indices) > 1 else []
     return [
         *module_argv("workers"),
         "--connect",
@@ -189,6 +194,7 @@ def worker_argv(
         str(os.getpid()),
         "--heartbeat-interval",
         str(heartbeat_s),
+        *threads,
     ]
 
 

@@ -299,7 +299,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         )
         identity = self._identity(worker_index)
         argv = worker_argv(
-            self._broker.router_ep, identity.decode(), indices, self.config.heartbeat_interval_s
+            self._broker.router_ep,
+            identity.decode(),
+            indices,
+            self.config.heartbeat_interval_s,
+            self.config.env_threads,
         )
         affinity = None if self._worker_affinity is None else self._worker_affinity[worker_index]
         process = self._launcher.start(argv, payload, affinity)
