@@ -590,3 +590,22 @@ def test_any_single_corruption_raises_only_protocol_error(
     except ProtocolError:
         return
     assert isinstance(spec, TensorSpec)
+
+
+def test_a_few_bytes_cannot_describe_gigabytes_of_bounds() -> None:
+    # An Unbounded float64 leaf of 2**30 elements: torchrl would materialise
+    # 16 GiB of low/high from these few bytes of spec data.
+    data = spec_to_data(Unbounded(shape=(4,), dtype=torch.float64))
+    data["shape"] = [2**30]
+    assert len(msgpack.packb(data)) < 200
+    with pytest.raises(ProtocolError, match=f"more than {specs_module.MAX_SPEC_BYTES} bytes"):
+        spec_from_data(data)
+
+
+def test_tree_byte_budget_counts_all_leaves_by_their_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(specs_module, "MAX_SPEC_BYTES", 1000)
+    fits = Composite(a=Unbounded(shape=(100,)), b=Unbounded(shape=(150,)))  # 400 + 600 bytes
+    assert spec_from_data(spec_to_data(fits)) == fits
+    too_big = Composite(a=Unbounded(shape=(100,), dtype=torch.float64), b=Unbounded(shape=(100,)))
+    with pytest.raises(ProtocolError, match="more than 1000 bytes"):
+        spec_to_data(too_big)

@@ -43,7 +43,8 @@ Decoding trusts nothing: every malformed input raises
 :class:`~zmqpool.errors.ProtocolError` naming the spec's path and the field.
 Shapes are capped at :data:`MAX_DIMS` dims and :data:`MAX_NUMEL` elements,
 the tensor leaves of one tree (all but NonTensor) at :data:`MAX_NUMEL`
-elements together, and spec nesting at :data:`MAX_DEPTH`. Tensors are sized
+elements and :data:`MAX_SPEC_BYTES` bytes together, and spec nesting at
+:data:`MAX_DEPTH`. Tensors are sized
 from the bytes actually received, except what is materialised from a shape
 alone: ``Unbounded``'s low/high (torchrl's doing) and a broadcast bound, which
 must expand to its leaf's shape exactly (checked before anything is
@@ -89,10 +90,21 @@ from torchrl.data.tensor_specs import (
 from zmqpool.errors import ProtocolError
 from zmqpool.wire import dtype_from_name, dtype_name
 
-__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_NUMEL", "spec_from_data", "spec_to_data"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_DIMS",
+    "MAX_NUMEL",
+    "MAX_SPEC_BYTES",
+    "spec_from_data",
+    "spec_to_data",
+]
 
 #: Largest number of elements of one shape, and of one tree's tensor leaves together.
 MAX_NUMEL = 2**31
+#: Largest number of bytes one tree's tensor leaves may hold together (1 GiB).
+#: torchrl materialises a leaf's bounds at its full shape (twice: low and
+#: high), so a few bytes of spec data could otherwise cost the pool tens of GB.
+MAX_SPEC_BYTES = 2**30
 #: Largest number of dims a shape may have.
 MAX_DIMS = 32
 #: Deepest nesting of Composite / stacked specs, and of ``example_data``.
@@ -137,19 +149,26 @@ class _At:
     """Where in the spec tree we are: names errors, bounds nesting and total size."""
 
     path: tuple[str, ...] = ()
-    #: Elements the tree's tensor leaves may still hold, shared by the whole tree.
-    budget: list[int] = dataclasses.field(default_factory=lambda: [MAX_NUMEL])
+    #: Elements and bytes the tree's tensor leaves may still hold, shared by the whole tree.
+    budget: list[int] = dataclasses.field(default_factory=lambda: [MAX_NUMEL, MAX_SPEC_BYTES])
 
     def child(self, key: str) -> _At:
         if len(self.path) >= MAX_DEPTH:
             raise self.error(f"specs nest deeper than {MAX_DEPTH} levels")
         return _At((*self.path, _clip(key, 40)), self.budget)
 
-    def charge(self, shape: Sequence[int]) -> None:
-        """Counts a (checked) tensor leaf's shape against the tree's element budget."""
-        self.budget[0] -= math.prod(shape)
+    def charge(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Counts a (checked) tensor leaf's shape against the tree's element and byte budgets."""
+        numel = math.prod(shape)
+        self.budget[0] -= numel
+        self.budget[1] -= numel * dtype.itemsize
         if self.budget[0] < 0:
             raise self.error(f"the spec's tensor leaves hold more than {MAX_NUMEL} elements")
+        if self.budget[1] < 0:
+            raise self.error(
+                f"the spec's tensor leaves hold more than {MAX_SPEC_BYTES} bytes "
+                "(zmqpool.specs.MAX_SPEC_BYTES)"
+            )
 
     def error(self, message: str) -> ProtocolError:
         where = "/".join(self.path) or "<root>"
@@ -198,7 +217,7 @@ def _call(at: _At, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _leaf_to_data(spec: TensorSpec, at: _At) -> dict[str, Any]:
     shape = _shape_to_data(at, spec.shape)
-    at.charge(shape)
+    at.charge(shape, spec.dtype)
     return {
         "shape": shape,
         "device": _device_to_data(at, spec.device),
@@ -210,12 +229,9 @@ def _leaf_from_data(
     data: Mapping[str, Any], at: _At
 ) -> tuple[torch.Size, torch.device | None, torch.dtype]:
     shape = _shape_from_data(at, "shape", data["shape"])
-    at.charge(shape)
-    return (
-        shape,
-        _device_from_data(at, data["device"]),
-        _dtype_from_data(at, "dtype", data["dtype"]),
-    )
+    dtype = _dtype_from_data(at, "dtype", data["dtype"])
+    at.charge(shape, dtype)
+    return shape, _device_from_data(at, data["device"]), dtype
 
 
 def _unbounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
