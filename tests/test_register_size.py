@@ -19,7 +19,7 @@ import zmq
 from torchrl.data import Bounded, Composite
 
 from tests.conftest import FAST
-from workers.loop import MAX_TRACEBACK_CHARS, clipped_failure
+from workers.reports import MAX_TRACEBACK_CHARS, clipped_failure
 from zmqpool import EnvMakerError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv
 from zmqpool.wire import MAX_CONTROL_BYTES, Command, Header, max_message_bytes
