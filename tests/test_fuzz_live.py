@@ -36,6 +36,7 @@ import zmq
 from tensordict import TensorDict
 
 from tests.conftest import FAST
+from tests.exactly_once import ExactlyOnce
 from workers.hosting import EnvHost
 from workers.loop import Worker
 from zmqpool import ZMQAsyncEnvPool
@@ -336,37 +337,10 @@ def wait_for(condition, pump, timeout_s: float = 10.0) -> bool:
 
 
 def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
-    rng = random.Random(1)
     dropped_before = sum(pool._ledger.dropped.values())
-    pool.reset()
-    count = [0] * NUM_ENVS  # steps each env has taken since the reset
-    awaited: dict[int, float] = {}  # env -> the action value it was sent
-    sent = received = 0
-    while received < STEPS:
-        peer.send_some(min(15, HOSTILE - sum(peer.sent.values())))
-        idle = [e for e in range(NUM_ENVS) if e not in awaited]
-        size = rng.randint(0, min(len(idle), STEPS - sent))
-        subset = sorted(rng.sample(idle, size))
-        if subset:
-            actions = [(sent + k + 1) / 10_000 for k in range(len(subset))]
-            td = TensorDict({"action": torch.tensor(actions).unsqueeze(-1)}, [len(subset)])
-            pool.async_step_send(td, env_index=subset)
-            awaited.update(zip(subset, actions, strict=True))
-            sent += len(subset)
-        if not awaited:
-            continue
-        out = pool.async_step_recv(min_get=1, timeout=30)
-        for row, env in enumerate(int(i) for i in out["env_index"]):
-            observation = out["next", "observation"][row]
-            assert env in awaited, f"env {env} answered a request it never got"
-            assert observation[0].item() == env, (
-                f"a forged result reached the trainer: {observation}"
-            )
-            count[env] += 1
-            assert observation[1].item() == count[env]  # no step lost or doubled
-            assert abs(observation[2].item() - awaited.pop(env)) < 1e-6  # its own action
-            received += 1
-    assert not awaited and sum(count) == received == STEPS
+    # Hostile messages interleaved with the real steps, a few at a time.
+    driver = ExactlyOnce(pool, NUM_ENVS, STEPS, random.Random(1))
+    driver.run(between=lambda: peer.send_some(min(15, HOSTILE - sum(peer.sent.values()))))
     peer.send_some(HOSTILE - sum(peer.sent.values()))  # the rest, if the steps were quick
 
     # Every bad message reached the pool and was counted (or refused), none was delivered.
@@ -392,7 +366,7 @@ def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
 
     # The pool is whole: a synchronous step of every env is each env's next step.
     td = pool.step(TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS]))
-    assert td["next", "observation"][:, 1].tolist() == [c + 1 for c in count]
+    assert td["next", "observation"][:, 1].tolist() == [c + 1 for c in driver.count]
     assert td["next", "observation"][:, 0].tolist() == list(range(NUM_ENVS))
 
 

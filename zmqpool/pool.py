@@ -331,13 +331,17 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             )
         return text
 
+    def _envs_of(self, identity: bytes) -> list[int]:
+        """The env indices of one of our local workers."""
+        return list(self._worker_envs[self._registrar.local_identities[identity]])
+
     def _on_setup_event(self, event: Event) -> None:
         if event.kind == "failed":
             detail = event.detail
             if detail.get("kind") == "register":  # built, but its REGISTER could not be sent
                 raise RegistrationError(f"env {detail['env']}: {detail['err']}")
             if detail.get("kind") == "version":
-                envs = list(self._worker_envs[self._registrar.local_identities[event.identity]])
+                envs = self._envs_of(event.identity)
                 raise VersionMismatchError(
                     f"the worker of envs {envs} runs another zmqpool than this trainer "
                     f"({detail['err']}); it imports zmqpool from its working directory or "
@@ -350,7 +354,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             for other in self._broker.take_events():
                 if other.kind == "failed":
                     self._on_setup_event(other)
-            envs = list(self._worker_envs[self._registrar.local_identities[event.identity]])
+            envs = self._envs_of(event.identity)
             raise RegistrationError(
                 f"the worker of envs {envs} exited with status {event.detail['status']} "
                 "before registering (see its stderr above)"
