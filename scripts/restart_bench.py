@@ -50,9 +50,13 @@ def run_loop(pool: ZMQAsyncEnvPool, seconds: float, victim: int, kill: bool) -> 
     start, healthy, latency = time.monotonic(), 0, float("nan")
     if kill:
         time.sleep(STEP_S / 2)
-        os.kill(pool._resources.processes[pool._identity(victim)].pid, signal.SIGKILL)
+        pid = pool.worker_pid(victim)
+        assert pid is not None, f"env {victim} has no local worker process"
+        os.kill(pid, signal.SIGKILL)
     while (kill and latency != latency) or (not kill and time.monotonic() - start < seconds):
-        out = pool.async_step_recv(min_get=1, timeout=120)
+        # No timeout: it is a deadline that would hold the healthy envs' results back
+        # until the victim's truncation (deadline batching); the pool restarts the victim.
+        out = pool.async_step_recv(min_get=1)
         envs = [int(i) for i in out["env_index"]]
         if victim in pool.last_restarted_envs:
             latency = time.monotonic() - start

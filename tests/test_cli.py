@@ -60,13 +60,38 @@ def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def short_runs(keys_dir: Path) -> Iterator[dict[str, subprocess.CompletedProcess]]:
-    """Start every help command and one keygen at once; yield name -> finished process."""
+def rel_cwd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working directory of ``zmqpool keygen keys/ --workers 2`` (the README's command)."""
+    return tmp_path_factory.mktemp("keygen-rel")
+
+
+@pytest.fixture(scope="module")
+def abs_cwd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working directory of the console-script keygen given an absolute DIR elsewhere."""
+    return tmp_path_factory.mktemp("keygen-abs-cwd")
+
+
+@pytest.fixture(scope="module")
+def short_runs(
+    keys_dir: Path, rel_cwd: Path, abs_cwd: Path
+) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+    """Start every help command and the keygens at once; yield name -> finished process."""
     exe = console_script()
     argvs = {f"help:{k}": [exe, *v, "--help"] for k, v in HELP_COMMANDS.items()}
     argvs["keygen"] = [sys.executable, "-m", "zmqpool", "keygen", str(keys_dir), "--workers", "2"]
+    # The README's command as written (a relative DIR), and the same with an absolute DIR
+    # outside the working directory, both through the installed console script.
+    argvs["keygen:relative"] = [exe, "keygen", "keys/", "--workers", "2"]
+    argvs["keygen:absolute"] = [exe, "keygen", str(keys_dir.parent / "abs-keys"), "--workers", "2"]
+    cwds = {"keygen:relative": rel_cwd, "keygen:absolute": abs_cwd}
     procs = {
-        name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        name: subprocess.Popen(
+            argv,
+            cwd=cwds.get(name),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name, argv in argvs.items()
     }
     try:
@@ -112,10 +137,8 @@ KEY_FILES = sorted(
 )
 
 
-def test_keygen_writes_private_loadable_keys(short_runs, keys_dir):
-    proc = short_runs["keygen"]
-    assert proc.returncode == 0, explain(proc)
-    assert str(keys_dir) in proc.stdout
+def check_key_dir(keys_dir: Path) -> None:
+    """The files of ``keygen DIR --workers 2``, with the README's modes, loadable."""
     assert sorted(str(p.relative_to(keys_dir)) for p in keys_dir.rglob("*")) == KEY_FILES
     for directory in (keys_dir, keys_dir / "workers", keys_dir / "authorized"):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
@@ -126,6 +149,47 @@ def test_keygen_writes_private_loadable_keys(short_runs, keys_dir):
         same_pub, secret_key = zmq.auth.load_certificate(secret)
         assert no_secret is None and secret_key is not None
         assert pub_key == same_pub and len(pub_key) == 40 and len(secret_key) == 40
+
+
+def check_listing(stdout: str, keys_dir: Path) -> None:
+    """What keygen prints: the absolute directory, one line per pair, its paths inside DIR."""
+    where = keys_dir.resolve()
+    expected = [
+        f"wrote 3 CURVE key pairs under {where} (directories 0700, secrets 0600):",
+        "  server     server.key, server.key_secret",
+        "  worker-0   workers/worker-0.key, workers/worker-0.key_secret",
+        "  worker-1   workers/worker-1.key, workers/worker-1.key_secret",
+        "  allow-list 2 public keys in authorized/",
+    ]
+    assert stdout.splitlines()[: len(expected)] == expected, stdout
+    # The usage names the directory absolutely, so it is right from any working directory.
+    assert f'curve_keys="{where}"' in stdout, stdout
+    assert f"gets {where}/server.key and {where}/workers/worker-N.key_secret" in stdout, stdout
+
+
+def test_keygen_writes_private_loadable_keys(short_runs, keys_dir):
+    proc = short_runs["keygen"]
+    assert proc.returncode == 0, explain(proc)
+    assert str(keys_dir) in proc.stdout
+    check_key_dir(keys_dir)
+
+
+def test_keygen_with_a_relative_dir_as_the_readme_writes_it(short_runs, rel_cwd):
+    proc = short_runs["keygen:relative"]
+    assert proc.returncode == 0, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    check_key_dir(rel_cwd / "keys")
+    check_listing(proc.stdout, rel_cwd / "keys")
+    assert sorted(p.name for p in rel_cwd.iterdir()) == ["keys"]
+
+
+def test_keygen_with_an_absolute_dir_elsewhere(short_runs, keys_dir, abs_cwd):
+    proc = short_runs["keygen:absolute"]
+    assert proc.returncode == 0, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    check_key_dir(keys_dir.parent / "abs-keys")
+    check_listing(proc.stdout, keys_dir.parent / "abs-keys")
+    assert list(abs_cwd.iterdir()) == [], "nothing is written to the working directory"
 
 
 def test_keygen_authorizes_exactly_the_workers(short_runs, keys_dir):
@@ -212,7 +276,7 @@ def test_demo_runs_and_reports_throughput_and_per_env_lines():
 # Depends on the pool's hot restart (commit 11dc24a): a dead worker is
 # restarted and its in-flight request answered with a truncation.
 def test_demo_kill_one_shows_the_restart():
-    proc = demo("--steps", "400", "--kill-one", "--timeout", "60")
+    proc = demo("--steps", "400", "--kill-one", "--step-timeout", "60")
     assert proc.returncode == 0, explain(proc)
     assert re.search(r"killed worker \S+ \(pid \d+\) with SIGKILL", proc.stdout), proc.stdout
     assert re.search(r"worker \S+ restarted: pid \d+", proc.stdout), proc.stdout

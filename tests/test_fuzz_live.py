@@ -454,6 +454,9 @@ class FakePush:
             self.sent.append(self._parts)
             self._parts = []
 
+    def close(self, linger=None) -> None:
+        """The worker closes its PUSH itself (it no longer ``destroy()``s its context)."""
+
 
 @pytest.fixture
 def worker(tmp_path):

@@ -22,7 +22,7 @@ from zmqpool.testing import CountingEnv, FaultyEnv
 
 
 def worker_pids(pool) -> list[int]:
-    return [p.pid for p in pool._resources.processes.values()]
+    return [p.pid for p in pool.worker_processes().values()]
 
 
 def test_env_maker_error_names_the_env_and_leaves_nothing_behind(monkeypatch):
@@ -90,7 +90,7 @@ DROPPED = textwrap.dedent(
     from zmqpool import ZMQAsyncEnvPool
     from zmqpool.testing import CountingEnv
     pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}])
-    print(" ".join(str(p.pid) for p in pool._resources.processes.values()))
+    print(" ".join(str(p.pid) for p in pool.worker_processes().values()))
     print(pool._resources.directory, flush=True)
     pool.reset()
     if sys.argv[1] == "drop":

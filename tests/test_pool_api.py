@@ -109,11 +109,14 @@ def test_per_env_channel(pool, fresh):
     single["action"] = torch.tensor([0.25])
     pool.async_step_send(single, env_index=2)
     out = pool.async_step_recv(env_index=2)
-    assert out["next", "observation"][0, 0].item() == 2.0
-    assert out["next", "observation"][0, 2].item() == 0.25
+    # As torchrl's: the env's own tensordict (its batch size), env_index a NonTensorData.
+    assert out.batch_size == () and out["env_index"] == 2
+    assert out["next", "observation"][0].item() == 2.0
+    assert out["next", "observation"][2].item() == 0.25
     pool.async_reset_send(env_index=1)
     reset = pool.async_reset_recv(env_index=1)
-    assert reset["observation"][0, :2].tolist() == [1.0, 0.0]
+    assert reset.batch_size == () and reset["env_index"] == 1
+    assert reset["observation"][:2].tolist() == [1.0, 0.0]
 
 
 def test_async_reset_and_step_and_maybe_reset(pool, fresh):

@@ -192,7 +192,7 @@ def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_hos
         replacement = start_remote_worker(remote_host, port, key_dir, key=1, extra=FAST_BEATS)
         out = pool.async_step_recv(min_get=1, timeout=90)
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
-        assert "silent" in pool.stats()[0]["last_restart_cause"]
+        assert "silent" in pool.env_stats()[0]["last_restart_cause"]
     finally:
         pool.close()
         for process in (first, replacement):

@@ -67,8 +67,8 @@ class Checker:
 
 
 def kill_a_worker(pool, rng) -> None:
-    identity = rng.choice(sorted(pool._resources.processes))
-    os.kill(pool._resources.processes[identity].pid, signal.SIGKILL)
+    processes = pool.worker_processes()  # those not already being restarted
+    os.kill(processes[rng.choice(sorted(processes))].pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("envs_per_worker", [1, 2])
@@ -91,7 +91,7 @@ def test_sigkill_storm_answers_every_request_exactly_once(envs_per_worker):
                 checker.awaited.update(zip(idle, values, strict=True))
                 sent += len(idle)
             # Kill only once the previous kill has been seen, so each one restarts something.
-            seen = sum(s["restarts"] for s in pool.stats().values()) // envs_per_worker
+            seen = sum(s["restarts"] for s in pool.env_stats().values()) // envs_per_worker
             if received and received % 150 < 4 and registered(pool) and seen == kills:
                 kill_a_worker(pool, rng)
                 kills += 1
@@ -106,7 +106,7 @@ def test_sigkill_storm_answers_every_request_exactly_once(envs_per_worker):
             checker.check(pool, pool.async_step_recv(min_get=num_envs, timeout=60))
             if settled:
                 break
-        stats = pool.stats()
+        stats = pool.env_stats()
         assert kills >= 5
         assert [stats[e]["restarts"] for e in range(num_envs)] == checker.synthesized
         assert sum(checker.synthesized) == kills * envs_per_worker
@@ -132,7 +132,7 @@ def test_env_that_exits_mid_step_is_answered_with_a_truncation():
         out = step_one(pool)
         assert pool.last_restarted_envs == [0]
         assert out["next", "truncated"].item() and out["next", "observation"][0, 1] == 0
-        assert "exited with code 3" in pool.stats()[0]["last_restart_cause"]
+        assert "exited with code 3" in pool.env_stats()[0]["last_restart_cause"]
         assert step_one(pool)["next", "observation"][0, 1].item() == 1  # the new env steps on
     finally:
         pool.close()
@@ -152,7 +152,7 @@ def test_hung_env_is_killed_after_step_timeout_and_restarted():
         out = step_one(pool)
         assert time.monotonic() - start >= config.step_timeout_s
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
-        assert pool.stats()[0]["last_restart_cause"].startswith("hung")
+        assert pool.env_stats()[0]["last_restart_cause"].startswith("hung")
     finally:
         pool.close()
 
@@ -171,7 +171,7 @@ def test_on_env_error_restart_logs_the_traceback_and_truncates(caplog):
             out = step_one(pool)
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
         assert "FaultyEnv 0 failed at step 2" in caplog.text
-        assert "raised" in pool.stats()[0]["last_restart_cause"]
+        assert "raised" in pool.env_stats()[0]["last_restart_cause"]
     finally:
         pool.close()
 
@@ -198,7 +198,7 @@ def test_crash_loop_raises_naming_the_env_and_spares_the_others():
         assert error.env_indices == [0]
         assert "crash loop: 3 deaths" in str(error)
         assert "FaultyEnv 0 failed at step 0" in str(error)  # the last traceback
-        assert pool.stats()[0]["lost"]
+        assert pool.env_stats()[0]["lost"]
         with pytest.raises(CrashLoopError):
             pool.async_step_send(actions([0.1]), env_index=[0])
         pool.async_step_send(actions([0.3]), env_index=[1])  # the healthy env carries on
@@ -216,7 +216,7 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_death():
     try:
         pool.reset()
         assert step_one(pool)["next", "observation"][0, 1].item() == 1
-        assert pool.last_restarted_envs == [] and pool.stats()[0]["restarts"] == 0
+        assert pool.last_restarted_envs == [] and pool.env_stats()[0]["restarts"] == 0
     finally:
         pool.close()
 
@@ -231,6 +231,6 @@ def test_a_trainer_pause_longer_than_the_heartbeat_timeout_restarts_nothing():
         step_one(pool)
         time.sleep(10 * config.heartbeat_timeout_s)  # the scenario itself: a long training step
         assert step_one(pool)["next", "observation"][0, 1].item() == 2
-        assert pool.stats()[0]["restarts"] == 0
+        assert pool.env_stats()[0]["restarts"] == 0
     finally:
         pool.close()

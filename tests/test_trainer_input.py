@@ -1,21 +1,26 @@
-"""Trainer input is checked before anything is sent: clear errors, nothing in flight.
+"""Trainer input: what can never work is refused before anything is sent; the rest reaches the env.
 
 Two halves:
 
 - :func:`zmqpool.validation.check_step_input` called directly, with the
-  stacked specs of ``CountingEnv`` (and of small hand-made specs);
-- a real pool: a bad step input raises at the send, names the key and what
-  was expected, leaves no env busy, and the next good step is the env's next
-  step (nothing reached it).
+  stacked specs of ``CountingEnv`` (and of small hand-made specs), by default
+  and with ``strict=True`` (dtype and shape against the spec, an opt-in);
+- a real pool: an input that can never work (a missing action, rows that do
+  not match ``env_index``, a bad index, a value that cannot cross the wire)
+  raises at the send, names what is wrong, leaves no env busy, and the next
+  good step is the env's next step (nothing reached it); an action of another
+  dtype or shape than the spec reaches the env as the caller made it, as in
+  torchrl, unless the pool was built with ``PoolConfig(strict_inputs=True)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
-from tensordict import TensorDict, lazy_stack
+from tensordict import NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 
 from tests.conftest import FAST
@@ -56,24 +61,44 @@ def test_good_inputs_pass_and_return_the_indices_as_ints():
     ("td", "error", "match"),
     [
         (TensorDict({"observation": torch.zeros(2, 4)}, [2]), ValueError, "no action 'action'"),
-        (actions(2, torch.float64), ValueError, r"expected dtype torch.float32, got torch.float64"),
-        (actions(2, shape=()), ValueError, r"'action': expected shape \(2, 1\), got \(2,\)"),
-        (actions(2, shape=(3,)), ValueError, r"expected shape \(2, 1\), got \(2, 3\)"),
         (actions(3), ValueError, r"batch size \(3,\) does not match the 2 env indices \[0, 1\]"),
         (TensorDict({"action": torch.zeros(2, 1)}, []), ValueError, r"batch size \(\)"),
-        (TensorDict({"action": "left"}, [2]), ValueError, "expected a torch.float32 tensor"),
     ],
-    ids=["missing", "dtype", "shape-dropped-dim", "shape-wrong", "batch", "no-batch", "not-tensor"],
+    ids=["missing", "batch", "no-batch"],
 )
-def test_bad_step_inputs_name_the_key_expected_and_received(td, error, match):
+@pytest.mark.parametrize("strict", [False, True])
+def test_inputs_that_can_never_work_name_what_is_wrong(td, error, match, strict):
     with pytest.raises(error, match=match):
-        check_step_input(td, [0, 1], pool_input_spec(), NUM)
+        check_step_input(td, [0, 1], pool_input_spec(), NUM, strict)
+
+
+#: Refused only by the opt-in strict check; by default they reach the env as they are.
+SPEC_MISMATCHES = [
+    (actions(2, torch.float64), r"expected dtype torch.float32, got torch.float64"),
+    (actions(2, torch.bool), r"expected dtype torch.float32, got torch.bool"),
+    (actions(2, shape=()), r"'action': expected shape \(2, 1\), got \(2,\)"),
+    (actions(2, shape=(3,)), r"expected shape \(2, 1\), got \(2, 3\)"),
+    (TensorDict({"action": "left"}, [2]), "expected a torch.float32 tensor"),
+]
+
+
+@pytest.mark.parametrize(
+    ("td", "match"),
+    SPEC_MISMATCHES,
+    ids=["float64", "bool", "shape-dropped-dim", "shape-wrong", "not-tensor"],
+)
+def test_spec_mismatches_pass_by_default_and_are_refused_when_strict(td, match):
+    assert check_step_input(td, [0, 1], pool_input_spec(), NUM) == [0, 1]
+    with pytest.raises(ValueError, match=match):
+        check_step_input(td, [0, 1], pool_input_spec(), NUM, strict=True)
 
 
 def test_a_single_env_input_is_checked_without_the_env_dim():
     spec = pool_input_spec()
     with pytest.raises(ValueError, match=r"expected shape \(1,\), got \(1, 1\)"):
-        check_step_input(actions(1), 0, spec, NUM)  # a batch given where one env's td goes
+        check_step_input(actions(1), 0, spec, NUM, strict=True)  # a batch where one env's td goes
+    with pytest.raises(ValueError, match="no action 'action'"):
+        check_step_input(TensorDict({}, []), 0, spec, NUM)
 
 
 @pytest.mark.parametrize(
@@ -104,11 +129,13 @@ def test_nested_integer_actions_and_optional_state_entries():
     )
     spec = torch.stack([env_spec.clone() for _ in range(NUM)])
     good = TensorDict({"agents": {"action": torch.zeros(2, 3, dtype=torch.int64)}}, [2])
-    assert check_step_input(good, [0, 1], spec, NUM) == [0, 1]  # "hidden" may be absent
+    assert check_step_input(good, [0, 1], spec, NUM, strict=True) == [0, 1]  # "hidden" optional
     with pytest.raises(ValueError, match=r"action \('agents', 'action'\): expected dtype"):
-        check_step_input(good.apply(lambda t: t.int()), [0, 1], spec, NUM)
+        check_step_input(good.apply(lambda t: t.int()), [0, 1], spec, NUM, strict=True)
     with pytest.raises(ValueError, match=r"state 'hidden': expected shape \(2, 8\), got \(2, 7\)"):
-        check_step_input(good.clone().set("hidden", torch.zeros(2, 7)), [0, 1], spec, NUM)
+        check_step_input(good.clone().set("hidden", torch.zeros(2, 7)), [0, 1], spec, NUM, True)
+    with pytest.raises(ValueError, match=r"no action \('agents', 'action'\)"):
+        check_step_input(TensorDict({"agents": {}}, [2]), [0, 1], spec, NUM)
 
 
 def test_envs_whose_action_shapes_differ_accept_any_size_in_that_dim():
@@ -117,10 +144,10 @@ def test_envs_whose_action_shapes_differ_accept_any_size_in_that_dim():
     ]
     spec = torch.stack(specs)  # a heterogeneous stack: action shape (2, -1)
     rows = lazy_stack([TensorDict({"action": torch.zeros(n)}, []) for n in (1, 2)])
-    assert check_step_input(rows, [0, 1], spec, NUM) == [0, 1]
+    assert check_step_input(rows, [0, 1], spec, NUM, strict=True) == [0, 1]
     with pytest.raises(ValueError, match=r"expected shape \(-1,\), got \(1, 2\)"):
         check_step_input(
-            lazy_stack([TensorDict({"action": torch.zeros(1, 2)}, [])] * 2), [0, 1], spec, NUM
+            lazy_stack([TensorDict({"action": torch.zeros(1, 2)}, [])] * 2), [0, 1], spec, NUM, True
         )
 
 
@@ -129,10 +156,11 @@ def test_expectations_are_worked_out_once_per_spec():
     check_step_input(actions(2), [0, 1], spec, NUM)
     from zmqpool import validation
 
-    cached = validation._CACHE[(id(spec), NUM)][1]
+    cached = validation._CACHE[(id(spec), NUM, False)][1]
     check_step_input(actions(1), [1], spec, NUM)
-    assert validation._CACHE[(id(spec), NUM)][1] is cached
+    assert validation._CACHE[(id(spec), NUM, False)][1] is cached
     assert [e.key for e in StepInputSpec(spec, NUM).expected] == ["action"]  # not env_index
+    assert [e.key for e in StepInputSpec(spec, NUM, strict=True).expected] == ["action"]
 
 
 # ---------------------------------------------------------------- a real pool
@@ -142,6 +170,17 @@ def test_expectations_are_worked_out_once_per_spec():
 def pool():
     p = ZMQAsyncEnvPool(
         CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(NUM)], config=FAST
+    )
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def strict_pool():
+    """A pool that opted in to spec checks at the send."""
+    config = dataclasses.replace(FAST, strict_inputs=True)
+    p = ZMQAsyncEnvPool(
+        CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(NUM)], config=config
     )
     yield p
     p.close()
@@ -193,16 +232,9 @@ def _drain(pool, channel):
             pool.async_step_recv(min_get=1, timeout=30)
 
 
-@pytest.mark.parametrize(
-    ("td", "match"),
-    [
-        (TensorDict({"observation": torch.zeros(2, 4)}, [2]), "no action 'action'"),
-        (actions(2, torch.float64), "expected dtype torch.float32, got torch.float64"),
-        (actions(2, shape=(3,)), r"expected shape \(2, 1\), got \(2, 3\)"),
-    ],
-    ids=["missing", "dtype", "shape"],
-)
-def test_pool_refuses_bad_actions_at_the_send(pool, fresh, td, match):
+def test_pool_refuses_a_missing_action_at_the_send(pool, fresh):
+    td = TensorDict({"observation": torch.zeros(2, 4)}, [2])
+    match = "no action 'action'"
     refused_before_sending(
         pool, lambda: pool.async_step_send(td, env_index=[0, 1]), ValueError, match
     )
@@ -214,17 +246,82 @@ def test_pool_refuses_bad_actions_at_the_send(pool, fresh, td, match):
     )
 
 
-def test_pool_step_refuses_bad_actions(pool, fresh):
-    td = pool.reset()
+class _Opaque:
+    """Neither a tensor nor plain data: it cannot cross the wire."""
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda: NonTensorStack(_Opaque(), _Opaque()),
+        lambda: torch.zeros(2, 1, dtype=torch.float8_e4m3fn),
+    ],
+    ids=["object", "float8"],
+)
+def test_pool_refuses_a_value_that_cannot_cross_the_wire(pool, fresh, entry):
+    td = actions(2).set("extra", entry())
+    send = lambda: pool.async_step_send(td, env_index=[0, 1])  # noqa: E731
+    refused_before_sending(pool, send, ValueError, "extra.*cannot cross the wire")
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        torch.full((NUM, 1), 0.5, dtype=torch.float64),
+        torch.ones(NUM, 1, dtype=torch.bool),
+        torch.ones(NUM, 1, dtype=torch.int64),
+        torch.full((NUM, 3), 0.25),  # another shape: the env reads what it reads
+    ],
+    ids=["float64", "bool", "int64", "shape"],
+)
+def test_an_action_of_another_dtype_or_shape_reaches_the_env_as_given(pool, fresh, action):
+    """torchrl hands the caller's tensor to the env as it is; the env copes (or raises)."""
+    td = TensorDict({"action": action}, [NUM])
+    pool.async_step_send(td, env_index=list(range(NUM)))
+    out = pool.async_step_recv(min_get=NUM, timeout=30)
+    assert out["action"].dtype == action.dtype and out["action"].shape == action.shape
+    for i in range(NUM):
+        env = CountingEnv(env_id=i)  # the same env, stepped in-process
+        env.reset()
+        expected = env.step(TensorDict({"action": action[i]}, []))["next"]
+        assert (out["next", "observation"][i] == expected["observation"]).all()
+
+
+@pytest.mark.parametrize(
+    ("td", "match"),
+    [
+        (actions(2, torch.float64), "expected dtype torch.float32, got torch.float64"),
+        (actions(2, shape=(3,)), r"expected shape \(2, 1\), got \(2, 3\)"),
+    ],
+    ids=["dtype", "shape"],
+)
+def test_a_strict_pool_refuses_spec_mismatches_at_the_send(strict_pool, td, match):
+    strict_pool.reset()
+    refused_before_sending(
+        strict_pool, lambda: strict_pool.async_step_send(td, env_index=[0, 1]), ValueError, match
+    )
+    refused_before_sending(
+        strict_pool,
+        lambda: strict_pool.async_step_and_maybe_reset_send(td.clone(), env_index=[0, 1]),
+        ValueError,
+        match,
+    )
+
+
+def test_a_strict_pool_step_refuses_bad_actions(strict_pool):
+    td = strict_pool.reset()
     td["action"] = torch.zeros(NUM, 1, dtype=torch.float64)
-    refused_before_sending(pool, lambda: pool.step(td), ValueError, "expected dtype torch.float32")
+    refused_before_sending(
+        strict_pool, lambda: strict_pool.step(td), ValueError, "expected dtype torch.float32"
+    )
 
 
-def test_pool_refuses_a_bad_action_on_an_env_channel(pool, fresh):
+def test_a_strict_pool_refuses_a_bad_action_on_an_env_channel(strict_pool):
+    strict_pool.reset()
     bad = TensorDict({"action": torch.zeros(2)}, [])
     refused_before_sending(
-        pool,
-        lambda: pool.async_step_send(bad, env_index=1),
+        strict_pool,
+        lambda: strict_pool.async_step_send(bad, env_index=1),
         ValueError,
         r"expected shape \(1,\), got \(2,\)",
         env_index=[1],

@@ -20,15 +20,31 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from zmqpool.errors import EnvMakerError, ProtocolError
-from zmqpool.wire import Command
+from zmqpool.wire import Command, leaf_state
 
 Parts = list[TensorDictBase]
 Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
 
 
 def _step(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    # The pool keeps the input it sent; only the new "next" subtree comes back.
-    return [step_next(env, _need(td))]
+    # The pool keeps the input it sent; only the new "next" subtree comes back,
+    # unless the env wrote into its input (the root then comes back too).
+    td = _need(td)
+    before = leaf_state(td)
+    return _with_edited_root([step_next(env, td)], td, before)
+
+
+def _with_edited_root(parts: Parts, td: TensorDictBase, before: tuple) -> Parts:
+    """``parts``, plus the input's root when the env changed it in place.
+
+    Some envs write into the tensordict they step (torchrl's
+    ``AutoResetHeteroCountingEnv`` adds to its input observations); in-process,
+    as under ``SerialEnv``, the caller sees that, so here the root travels back
+    as a last part, which the pool then uses for the result's root.
+    """
+    if leaf_state(td) == before:
+        return parts
+    return [*parts, td.exclude("next")]
 
 
 def step_next(env: EnvBase, td: TensorDictBase) -> TensorDictBase:
@@ -60,18 +76,26 @@ def _step_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) 
 
 
 def _reset(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    return [env.reset(td)]
+    return [env.reset(_none_if_empty(td))]
 
 
 def _reset_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    return [env._reset(td)]
+    return [env._reset(_none_if_empty(td))]
+
+
+def _none_if_empty(td: TensorDictBase | None) -> TensorDictBase | None:
+    # As SerialEnv does: an env whose reset keys are nested (NestedCountingEnv)
+    # fails on an empty tensordict where it takes None.
+    return None if td is None or td.is_empty() else td
 
 
 def _step_and_maybe_reset(
     env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]
 ) -> Parts:
-    result, next_root = env.step_and_maybe_reset(_need(td))
-    return [result.get("next"), next_root]
+    td = _need(td)
+    before = leaf_state(td)
+    result, next_root = env.step_and_maybe_reset(td)
+    return _with_edited_root([result.get("next"), next_root], result, before)
 
 
 def _seed(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:

@@ -10,6 +10,12 @@ heartbeat thread). When they stop, or come from a new pool (another epoch: a
 restarted trainer), it registers again, retrying with backoff: ZeroMQ
 reconnects the TCP connections by itself, so a restarted trainer at the same
 address picks its workers up again.
+
+Threads and sockets: the main thread owns the DEALER, the heartbeat thread
+its own DEALER (and SUB), and the PUSH is shared under the send lock. Closing
+stops the threads first (each closes its own sockets), then closes the main
+thread's, then ends the context: never ``Context.destroy()``, which closes
+every socket from one thread while the others may still use theirs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -34,6 +41,7 @@ from zmqpool.errors import (
     RegistrationError,
     VersionMismatchError,
 )
+from zmqpool.launcher import ENV_THREAD_DIED
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
 from zmqpool.wire import (
@@ -46,6 +54,10 @@ from zmqpool.wire import (
 )
 
 log = logging.getLogger("workers")
+
+#: How long :meth:`Worker.close` waits for its threads to finish what they are
+#: doing (an env step in flight) before it leaves them to the process's exit.
+CLOSE_JOIN_S = 1.0
 
 
 class Worker:
@@ -99,9 +111,10 @@ class Worker:
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.dropped = 0
-        self.runners = EnvRunners() if env_threads else None
+        self.runners = EnvRunners(self._env_thread_died) if env_threads else None
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -224,8 +237,10 @@ class Worker:
 
     def serve(self) -> None:
         """Answer commands until CLOSE (or the process is killed)."""
-        heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
-        heartbeat.start()
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="heartbeat", daemon=True
+        )
+        self._heartbeat.start()
         try:
             while not self._stop.is_set():
                 if self.pool_lost.is_set() and self.remote_slots:
@@ -305,7 +320,8 @@ class Worker:
             self._send_unlocked(reply)
 
     def _send_unlocked(self, reply: list[Any]) -> None:
-        assert self.push is not None
+        if self.push is None:  # closed (the worker is closing): nobody awaits the reply
+            return
         # Frame by frame: send_multipart's per-part type checks cost more than the sends.
         send, last = self.push.send, len(reply) - 1
         for i, frame in enumerate(reply):
@@ -314,10 +330,11 @@ class Worker:
     def _error_reply(self, header: Header, err: Exception) -> list[Any]:
         malformed = isinstance(err, ProtocolError)
         what = "malformed command" if malformed else "env raised"
-        log.warning("env %d: %s: %r", header.env, what, err)
+        text = _safe_repr(err)
+        log.warning("env %d: %s: %s", header.env, what, text)
         body = clipped_failure(
             {
-                "err": f"{what}: {err!r}",
+                "err": f"{what}: {text}",
                 "tb": traceback.format_exc(),
                 "kind": "protocol" if malformed else "env",  # "env" may restart the worker
             }
@@ -337,8 +354,8 @@ class Worker:
                     beat.send(message, zmq.NOBLOCK)
                 watch.check()
         except zmq.ZMQError:
-            pass  # the context is being destroyed: the worker is closing
-        finally:
+            pass  # a socket error ends the beats; the pool hears the silence
+        finally:  # this thread's sockets, closed by it (close() joins it before term())
             beat.close()
             watch.close()
 
@@ -351,12 +368,54 @@ class Worker:
         # Give the message a moment to leave before the process exits (linger is 0).
         time.sleep(0.2)
 
+    def _env_thread_died(self, name: str, err: BaseException) -> None:
+        """In an env thread that is ending: its env can answer nothing more, so the process ends.
+
+        The pool sees the exit (its pidfd, or the missing heartbeats of a
+        remote worker), restarts the worker and answers every request in
+        flight with a restart truncation: the outcome of the same
+        ``SystemExit`` in an env stepped inline. Exit code
+        :data:`~zmqpool.launcher.ENV_THREAD_DIED`.
+        """
+        if self._stop.is_set():
+            log.warning("%s ended while the worker closed: %r", name, err)
+            return
+        lines = traceback.format_exception(type(err), err, err.__traceback__)
+        sys.stderr.write(
+            f"zmqpool worker pid {os.getpid()}: env thread {name} died; the worker exits "
+            f"(code {ENV_THREAD_DIED}) for its pool to restart it\n{''.join(lines)}"
+        )
+        sys.stderr.flush()
+        os._exit(ENV_THREAD_DIED)
+
     def close(self) -> None:
+        """Stop the threads, each closing its own sockets; close ours; end the context.
+
+        Bounded: threads still busy after :data:`CLOSE_JOIN_S` (an env step
+        that goes on) are left to the process's exit; their envs are not
+        closed under them, and an env thread finishing later finds no PUSH
+        socket and drops its reply.
+        """
         self._stop.set()
-        if self.runners is not None:
-            self.runners.stop()
-        self.host.close()
-        self.context.destroy(linger=0)
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        busy = self.runners.stop(CLOSE_JOIN_S) if self.runners is not None else []
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            heartbeat.join(max(deadline - time.monotonic(), 0.0))
+        with self._send_lock:
+            if self.push is not None:
+                self.push.close()
+                self.push = None
+        self.dealer.close()
+        idle = {i: env for i, env in self.host.envs.items() if not any(env is b for b in busy)}
+        EnvHost(idle).close()
+        if heartbeat is not None and heartbeat.is_alive():
+            log.warning("the heartbeat thread did not stop; leaving its sockets to the exit")
+            return
+        if busy:
+            stepping = sorted(set(self.host.envs) - set(idle))
+            log.warning("envs %s still stepping at close: left to the process's exit", stepping)
+        self.context.term()  # every socket is closed: returns at once
 
 
 #: Pool heartbeats missed before a remote worker thinks its pool is gone.
@@ -400,6 +459,14 @@ class _PoolWatch:
         if self.sub is not None:
             self.sub.close()
             self.sub = None
+
+
+def _safe_repr(err: BaseException) -> str:
+    """``repr(err)``, or a stand-in if the env's exception cannot even say what it is."""
+    try:
+        return repr(err)
+    except Exception:
+        return f"<{type(err).__name__}: its repr() raised>"
 
 
 def reachable(endpoint: str, router: str) -> str:

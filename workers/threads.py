@@ -7,55 +7,91 @@ in torchrl's pools. The reply is sent from the env's thread under the worker's
 send lock: the encoder's layout ids and the PUSH socket are shared, one thread
 at a time. For one env per worker there is nothing to overlap, and the thread
 hop would only cost: the worker then runs commands inline.
+
+A job answers its command itself, env exceptions included. Anything that
+escapes it (a ``SystemExit`` or ``KeyboardInterrupt`` raised by env code, or a
+reply that could not be sent) ends the thread, and with it every later
+command of that env: the runner hands it to ``on_death``, and the worker ends
+the process, as the same ``SystemExit`` would have inline, so the pool
+restarts it and answers what was in flight.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 #: What a runner is asked to run: the work for one command, reply included.
 Job = Callable[[], None]
 
+#: Called in a runner's thread with its name and what killed it.
+OnDeath = Callable[[str, BaseException], None]
+
 
 class EnvRunner:
     """A daemon thread running one env's jobs in the order they were given."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_death: OnDeath) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._on_death = on_death
+        self._cancelled = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
-        """Finish the jobs given so far, then end (without waiting for it)."""
+    def cancel(self) -> None:
+        """End after the job it is running; the jobs not started are dropped."""
+        self._cancelled = True
         self._jobs.put(None)
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end; whether it did."""
+        self._thread.join(max(timeout_s, 0.0))
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()  # a job answers its command itself, errors included
+        try:
+            while (job := self._jobs.get()) is not None:
+                if not self._cancelled:  # closing: nobody will read the reply
+                    job()
+        except BaseException as err:  # the thread ends here: say so, or the env hangs unseen
+            self._on_death(self._thread.name, err)
 
 
 class EnvRunners:
     """The runners of a worker's envs, one per env object, made on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_death: OnDeath) -> None:
         # Keyed by the env object, not its pool index: a rejoining remote
         # worker's envs may get new indices, and one env must never run in two threads.
         self._runners: dict[int, tuple[Any, EnvRunner]] = {}
+        self._on_death = on_death
 
     def runner_for(self, env: Any, index: int) -> EnvRunner:
         entry = self._runners.get(id(env))
         if entry is None or entry[0] is not env:
-            entry = (env, EnvRunner(f"env-{index}"))
+            entry = (env, EnvRunner(f"env-{index}", self._on_death))
             self._runners[id(env)] = entry
         return entry[1]
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float) -> list[Any]:
+        """End every runner, waiting up to ``timeout_s`` in all for the jobs they are running.
+
+        Returns the envs whose thread is still running one (an env step that
+        outlasted the wait): they must not be closed under it.
+        """
+        deadline = time.monotonic() + timeout_s
         for _, runner in self._runners.values():
-            runner.stop()
+            runner.cancel()
+        busy = [
+            env
+            for env, runner in self._runners.values()
+            if not runner.join(deadline - time.monotonic())
+        ]
         self._runners.clear()
+        return busy

@@ -12,8 +12,15 @@ Pipes, all binary:
   cloudpickled ``{"argv": [...], "payload": bytes, "affinity": cpus|None}``.
   End of file: exit.
 - stdout (zygote -> pool): 12-byte reports ``!iii`` = (kind, pid, status):
-  ``SPAWNED`` after each fork, ``EXITED`` with the exit code (negative: the
-  signal) when a child dies, since only the zygote, its parent, can reap it.
+  ``READY`` once the imports are done, ``SPAWNED`` after each fork,
+  ``EXITED`` with the exit code (negative: the signal) when a child dies,
+  since only the zygote, its parent, can reap it. At end of file on stdin it
+  reaps what has died and exits, so the pool reads every report to its end.
+
+Its children die with it (``PR_SET_PDEATHSIG``, set by each worker for its
+parent): a worker orphaned by a killed zygote would have nobody to report its
+death and nothing tying it to the trainer's life. The pool sees those deaths
+through its own pidfds and restarts the workers from a new zygote.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import signal
 import sys
 import traceback
 
-from zmqpool.launcher import EXITED, REPORT, SPAWNED  # shared with the pool
+from zmqpool.launcher import EXITED, READY, REPORT, SPAWNED  # shared with the pool
 
 
 def _read_exact(fd: int, size: int) -> bytes:
@@ -72,9 +79,11 @@ def serve(report_fd: int) -> None:
     import cloudpickle
 
     signal.signal(signal.SIGCHLD, lambda *_: _reap(report_fd))
+    os.write(report_fd, REPORT.pack(READY, 0, 0))
     while True:
         header = _read_exact(0, 8)
         if not header:
+            _reap(report_fd)  # the last exit codes, before the pool stops reading
             return
         request = cloudpickle.loads(_read_exact(0, int.from_bytes(header, "big")))
         pid = os.fork()

@@ -34,10 +34,19 @@ from tensordict.utils import expand_as_right
 
 from zmqpool.state import Reply
 from zmqpool.synthesis import next_root_after_restart, truncated_next
-from zmqpool.wire import ZERO_COPY_THRESHOLD, Command, DecodedPart, RowPacker, stack_parts
+from zmqpool.wire import (
+    ZERO_COPY_THRESHOLD,
+    Command,
+    DecodedPart,
+    RowPacker,
+    check_crossable,
+    stack_parts,
+)
 
 ENV_INDEX = "env_index"
 _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
+#: Where a worker puts the input root an env edited in place (after the usual parts).
+_EDITED_ROOT_PART = {Command.STEP: 1, Command.STEP_AND_MAYBE_RESET: 2}
 
 #: What a request carries and a reply holds: frames (the fast path) or a tensordict.
 Part: TypeAlias = DecodedPart | TensorDictBase
@@ -72,7 +81,10 @@ class Assembler:
         rows = self._packed_rows(batch) if self.dense else None
         if rows is not None:
             return rows
-        return batch.exclude(ENV_INDEX, "next").unbind(0)
+        payloads = batch.exclude(ENV_INDEX, "next").unbind(0)
+        for payload in payloads:
+            check_crossable(payload)  # before any is sent: refuse the batch, not half of it
+        return payloads
 
     def _packed_rows(self, batch: TensorDictBase) -> list[DecodedPart] | None:
         # Only a plain CPU TensorDict of tensors packs exactly as the stack of its
@@ -101,6 +113,32 @@ class Assembler:
         self.set_env_index(next_root, idx)
         return root, next_root
 
+    def assemble_one(self, reply: Reply) -> tuple[TensorDictBase, TensorDictBase | None]:
+        """torchrl's result on an env's own channel: that env's tensordict, not a stack.
+
+        It has the env's own batch size and carries ``env_index`` as a
+        ``NonTensorData``, so the caller can set an action on it and send it
+        straight back with ``env_index=``.
+        """
+        command = reply.pending.command
+        if command in _STEP_COMMANDS:
+            root = _as_tensordict(self.input_part(reply))
+            root.set("next", _as_tensordict(self.next_part(reply)))
+        else:
+            root = _as_tensordict(self.next_part(reply))
+        _set_one_index(root, reply.env)
+        if command != Command.STEP_AND_MAYBE_RESET:
+            return root, None
+        next_root = _as_tensordict(self.root_part(reply))
+        _set_one_index(next_root, reply.env)
+        return root, next_root
+
+    def edited_roots(self, replies: list[Reply]) -> TensorDictBase | None:
+        """The result roots stacked, if an env edited its input in place; else None."""
+        if not any(self.input_part(r) is not r.pending.inputs for r in replies):
+            return None
+        return self.stack([self.input_part(r) for r in replies])
+
     def stack_next(self, replies: list[Reply]) -> TensorDictBase:
         return self.stack([self.next_part(r) for r in replies])
 
@@ -108,7 +146,14 @@ class Assembler:
         return self.stack([self.root_part(r) for r in replies])
 
     def input_part(self, reply: Reply) -> Part:
-        """What the request sent (its payload): the root of a step's result."""
+        """The root of a step's result: what the request sent, or the env's edit of it.
+
+        A worker sends the root back (a part after the usual ones) only when
+        the env changed its input in place, as some auto-resetting envs do.
+        """
+        edited = _EDITED_ROOT_PART.get(reply.pending.command)
+        if edited is not None and not reply.synthesized and len(reply.parts) > edited:
+            return reply.parts[edited]
         inputs = reply.pending.inputs
         assert inputs is not None
         return inputs
@@ -147,6 +192,10 @@ class Assembler:
         if indices.shape != td.shape:
             indices = expand_as_right(indices, td)
         _attach(td, ENV_INDEX, indices)
+
+
+def _set_one_index(td: TensorDictBase, env: int) -> None:
+    td.set(ENV_INDEX, NonTensorData(env, batch_size=td.batch_size))
 
 
 def _attach(td: TensorDictBase, key: str, value: TensorDictBase) -> None:

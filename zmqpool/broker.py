@@ -210,8 +210,10 @@ class Broker:
         identity, process = self.processes[pidfd]
         self.unwatch(process)
         status = process.exit_status()
+        cause = process.exit_cause()  # e.g. killed with its fork server: no status to say so
         process.release()
-        self.events.append(Event("exited", identity, {"status": status, "pid": process.pid}))
+        detail = {"status": status, "pid": process.pid, "cause": cause}
+        self.events.append(Event("exited", identity, detail))
 
     # ------------------------------------------------------------ sending
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -63,7 +64,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="env i gets seed + i (default 0)")
     demo.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds a recv may wait (default 60)"
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="a step longer than this many seconds is hung: its env is restarted (default 60)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_cmd_demo)
@@ -137,7 +141,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         env=args.env,
         kill_one=args.kill_one,
         seed=args.seed,
-        recv_timeout_s=args.timeout,
+        step_timeout_s=args.step_timeout,
         progress=not args.no_progress,
     )
     try:
@@ -192,10 +196,13 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"{PROG} keygen: {err}", file=sys.stderr)
         return 2
+    # write_keys returns paths as DIR was given (relative to the cwd if DIR is);
+    # both sides made absolute the same way (lexically), so either form lists the same.
+    given = os.path.abspath(args.dir)
     directory = args.dir.resolve()
     print(f"wrote {len(pairs)} CURVE key pairs under {directory} (directories 0700, secrets 0600):")
     for pair in pairs:
-        where = pair.secret.relative_to(directory).with_suffix("")
+        where = Path(os.path.abspath(pair.secret)).relative_to(given).with_suffix("")
         print(f"  {pair.name:<10} {where}.key, {where}.key_secret")
     print(f"  allow-list {len(pairs) - 1} public keys in authorized/")
     print(_KEYGEN_USAGE.format(dir=directory))

@@ -9,6 +9,8 @@ import dataclasses
 
 from zmqpool.wire import ZERO_COPY_THRESHOLD
 
+_BOOL_FIELDS = ("fork_server", "env_threads", "strict_inputs")
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
@@ -49,11 +51,15 @@ class PoolConfig:
     #: thread (as torchrl does), so an env that waits does not hold up the
     #: others; False steps them one after another (cheaper for cheap envs).
     env_threads: bool = True
+    #: refuse a step input whose actions (or state entries) have another dtype
+    #: or shape than the spec, at the send. Off by default, as in torchrl: the
+    #: env gets the caller's tensors as they are (envs cast, or broadcast).
+    strict_inputs: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("fork_server", "env_threads"):
+            if field.name in _BOOL_FIELDS:
                 if not isinstance(value, bool):
                     raise ValueError(f"PoolConfig.{field.name} must be a bool, got {value!r}")
                 continue

@@ -33,6 +33,7 @@ from torchrl.envs import EnvBase
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from zmqpool.config import PoolConfig
 from zmqpool.pool import ZMQAsyncEnvPool
 
 DEFAULT_ENV = "zmqpool.demo:cartpole"  # zmqpool.cli.DEFAULT_ENV names it too
@@ -80,8 +81,9 @@ class DemoOptions:
     env: str = DEFAULT_ENV
     kill_one: bool = False
     seed: int | None = 0
-    #: a recv that waits longer than this ends the demo with an error.
-    recv_timeout_s: float = 60.0
+    #: a step that runs longer than this is hung: its env is restarted (the
+    #: pool's ``step_timeout_s``), so no recv waits for ever.
+    step_timeout_s: float = 60.0
     #: show a tqdm progress bar (on standard error).
     progress: bool = True
     #: with ``kill_one``: kill once this fraction of the steps is done.
@@ -131,35 +133,32 @@ class DemoResult:
 class Killer:
     """Kills one worker with SIGKILL once, then reports when the pool has replaced it.
 
-    It reads ``pool._resources.processes`` (identity -> process): the demo is
-    a look inside the pool, not an API user.
+    It finds the worker through the pool's public ``worker_processes()``.
     """
 
     def __init__(self, pool: ZMQAsyncEnvPool, out: Callable[[str], Any]) -> None:
         self.pool = pool
         self.out = out
-        self.identity: bytes | None = None
+        self.worker: int | None = None
         self.old_pid = 0
         self.killed_at = 0.0
         self.restarts = 0
 
     def kill(self) -> None:
-        self.identity, process = next(iter(self.pool._resources.processes.items()))
+        self.worker, process = min(self.pool.worker_processes().items())
         self.old_pid = process.pid
         os.kill(self.old_pid, signal.SIGKILL)
         self.killed_at = time.monotonic()
         self.out(f"killed {self._name()} (pid {self.old_pid}) with SIGKILL")
 
     def _name(self) -> str:
-        # The identity carries the pool's secret suffix: show only the worker's index.
-        text = (self.identity or b"?").decode()
-        return f"worker {text.split('.')[0].removeprefix('w')}"
+        return f"worker {self.worker}"
 
     def check(self) -> None:
-        """Say so once the killed worker's identity belongs to a new process."""
-        if self.identity is None or self.restarts:
+        """Say so once the killed worker runs in a new process."""
+        if self.worker is None or self.restarts:
             return
-        process = self.pool._resources.processes.get(self.identity)
+        process = self.pool.worker_processes().get(self.worker)
         if process is not None and process.pid != self.old_pid:
             self.restarts += 1
             waited = time.monotonic() - self.killed_at
@@ -219,9 +218,9 @@ class _Loop:
     def run(self, root: TensorDictBase) -> None:
         self.send(root, list(range(self.pool.num_envs)))
         while self.done < self.opts.steps:
-            result, next_root = self.pool.async_step_and_maybe_reset_recv(
-                min_get=1, timeout=self.opts.recv_timeout_s
-            )
+            # No ``timeout``: it is a deadline that, once one result is in, waits
+            # for the rest (deadline batching). Hung steps are the pool's to bound.
+            result, next_root = self.pool.async_step_and_maybe_reset_recv(min_get=1)
             envs = _env_indices(result)
             _record(self.tallies, result, envs)
             self._announce_restarts(result, envs)
@@ -239,22 +238,18 @@ class _Loop:
     def _maybe_kill(self) -> None:
         if self.killer is None:
             return
-        if self.killer.identity is None and self.done >= self.opts.kill_at * self.opts.steps:
+        if self.killer.worker is None and self.done >= self.opts.kill_at * self.opts.steps:
             self.killer.kill()
         self.killer.check()
 
 
-def _stats_table(pool: ZMQAsyncEnvPool) -> str | None:
-    """The pool's own per-env table, if this version of the pool has one."""
-    stats_table = getattr(pool, "stats_table", None)
-    return stats_table() if callable(stats_table) else None
+def _stats_table(pool: ZMQAsyncEnvPool) -> str:
+    """The pool's own per-env table."""
+    return pool.stats_table()
 
 
-def _pool_restarts(pool: ZMQAsyncEnvPool) -> int | None:
-    stats = getattr(pool, "stats", None)
-    if not callable(stats):
-        return None
-    return sum(int(row.get("restarts", 0)) for row in stats().values())
+def _pool_restarts(pool: ZMQAsyncEnvPool) -> int:
+    return sum(int(row["restarts"]) for row in pool.env_stats().values())
 
 
 def run_demo(opts: DemoOptions) -> DemoResult:
@@ -263,7 +258,11 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     if opts.seed is not None:
         torch.manual_seed(opts.seed)  # the random actions
     start = time.monotonic()
-    pool = ZMQAsyncEnvPool([maker] * opts.num_envs, envs_per_worker=opts.envs_per_worker)
+    pool = ZMQAsyncEnvPool(
+        [maker] * opts.num_envs,
+        envs_per_worker=opts.envs_per_worker,
+        config=PoolConfig(step_timeout_s=opts.step_timeout_s),
+    )
     try:
         if opts.seed is not None:
             pool.set_seed(opts.seed)  # env i gets seed + i

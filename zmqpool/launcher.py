@@ -12,6 +12,17 @@ Two ways to start one, behind one interface (:class:`WorkerProcess`):
   torchrl once forks each worker in tens of milliseconds, so a restart costs
   milliseconds, not the seconds of a fresh interpreter's imports;
 - :class:`LocalProcess`: a fresh interpreter per worker (the fallback).
+
+Any of these processes may die, the fork server included (the OOM killer
+picks processes by size, and a zygote with torch loaded is a candidate). The
+workers it forked die with it (``PR_SET_PDEATHSIG``), and their pidfds, ours,
+still say so at once; only their exit status is lost, since the zygote was the
+one that reaped them. The :class:`Launcher` then warns once
+(:class:`ForkServerWarning`) and starts a new fork server without waiting for
+it: while it imports torch, a restart is put off
+(:class:`ForkServerStarting`), not the trainer. After
+:data:`FORK_SERVER_REPLACEMENTS` replacements it gives up on fork servers and
+starts fresh interpreters, as with ``PoolConfig(fork_server=False)``.
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,6 +70,7 @@ class WorkerProcess(Protocol):
     def pidfd(self) -> int: ...
 
     def exit_status(self) -> int | None: ...
+    def exit_cause(self) -> str | None: ...
     def kill(self) -> None: ...
     def wait(self, timeout_s: float) -> bool: ...
     def release(self) -> None: ...
@@ -74,6 +87,10 @@ class _Watched:
     """What both kinds of worker process share: a pidfd, released once."""
 
     pidfd: int
+
+    def exit_cause(self) -> str | None:
+        """Why it died when its exit status cannot say (None: the status says it)."""
+        return None
 
     def kill(self) -> None:
         raise NotImplementedError
@@ -144,7 +161,59 @@ def _affinity_setter(cpu_affinity: Sequence[int] | None):
 
 #: The fork server's reports on its pipe: (kind, pid, exit code).
 REPORT = struct.Struct("!iii")
-SPAWNED, EXITED = 1, 2
+#: ``READY``: its imports are done (pid 0), so a fork now takes milliseconds.
+SPAWNED, EXITED, READY = 1, 2, 3
+
+#: The exit code of a worker whose env thread died (``workers.threads``):
+#: sysexits' EX_SOFTWARE. Its traceback is on the worker's stderr.
+ENV_THREAD_DIED = 70
+
+#: New fork servers started after the first died, before the launcher gives up
+#: on them and starts fresh interpreters: a zygote the OOM killer keeps choosing
+#: would otherwise cost a torch import every time.
+FORK_SERVER_REPLACEMENTS = 3
+
+
+def describe_status(status: int | None) -> str:
+    """An exit status (negative: the signal) for people: ``killed by SIGKILL``."""
+    if status is None:
+        return "exited (status unknown)"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    if status == ENV_THREAD_DIED:
+        return f"exited with code {status}: an env thread died (traceback on the worker's stderr)"
+    return f"exited with code {status}"
+
+
+class ForkServerWarning(RuntimeWarning):
+    """The fork server died (or the pool stopped using it); warned once per event."""
+
+
+class ForkServerStarting(RuntimeError):
+    """A new fork server is still importing torch: no worker can be forked yet.
+
+    The supervisor puts the restart off by :attr:`retry_after_s` instead of
+    making the trainer wait seconds for the imports.
+    """
+
+    retry_after_s = 0.05
+
+
+class ForkServerDied(OSError):
+    """The fork server died (or stopped answering) while asked to fork."""
+
+
+class _Vanished(OSError):
+    """A forked worker was gone, and reaped, before we could open its pidfd."""
+
+
+def _warn(message: str) -> None:
+    log.warning("%s", message)
+    warnings.warn(message, ForkServerWarning, stacklevel=2)
+
 
 #: Where our ``workers`` package is: installed (or checked out) beside ``zmqpool``.
 _WORKERS_DIR = Path(__file__).resolve().parents[1] / "workers"
@@ -204,7 +273,9 @@ class ForkedProcess(_Watched):
     def __init__(self, pid: int, server: ForkServer) -> None:
         self.pid = pid
         self.server = server
-        self.pidfd = os.pidfd_open(pid)
+        self.pidfd = os.pidfd_open(pid)  # ProcessLookupError: already dead and reaped
+        self._status: int | None = None
+        self._status_known = False
 
     def _dead(self, timeout_s: float) -> bool:
         if self.pidfd < 0:
@@ -213,9 +284,20 @@ class ForkedProcess(_Watched):
         return bool(ready)
 
     def exit_status(self) -> int | None:
+        """None while alive; then the zygote's report, or None if it died before reporting."""
+        if self._status_known:
+            return self._status
         if not self._dead(0.0):
             return None
-        return self.server.status_of(self.pid, wait_s=1.0)
+        self._status = self.server.status_of(self.pid, wait_s=1.0)
+        # A live zygote that has not reported yet may still; a dead one never will.
+        self._status_known = self._status is not None or not self.server.alive()
+        return self._status
+
+    def exit_cause(self) -> str | None:
+        if self.exit_status() is not None or self.server.alive():
+            return None
+        return f"killed with its fork server (pid {self.server.pid}, {self.server.describe()})"
 
     def kill(self) -> None:
         if self.pidfd >= 0:
@@ -227,9 +309,16 @@ class ForkedProcess(_Watched):
 
 
 class ForkServer:
-    """The client of ``workers.zygote``: ask it to fork a worker, learn how children died."""
+    """The client of ``workers.zygote``: ask it to fork a worker, learn how children died.
 
-    def __init__(self) -> None:
+    Its report pipe is the only way to its children's exit statuses; end of
+    file on it means the zygote is gone (``on_death`` is called once, unless
+    we closed it). Nothing here ever reads a closed pipe: the processes it
+    forked keep asking it for statuses after its death, and get what was
+    read before.
+    """
+
+    def __init__(self, on_death: Callable[[ForkServer], None] | None = None) -> None:
         self.proc = subprocess.Popen(
             [*module_argv("workers.zygote"), str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -237,39 +326,87 @@ class ForkServer:
             close_fds=True,
             env=_child_env(),
         )
+        self.on_death = on_death
+        self.started_at = time.monotonic()
         self.statuses: dict[int, int] = {}
+        self.ready = False  # READY read: it has imported torch and forks in milliseconds
+        self.closed = False  # our side of its pipes is closed
+        self._eof = False  # its report pipe ended: it is dead
+        self._closing = False
         self._spawned: list[int] = []
         self._partial = b""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether it can still fork (reads what it reported so far; never waits)."""
+        self._read_reports(0.0)
+        return not (self.closed or self._eof or self.proc.poll() is not None)
+
+    def describe(self) -> str:
+        """How it ended (after its death): ``killed by SIGKILL``."""
+        return describe_status(self.proc.poll())
 
     def start(
         self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None, timeout_s: float
     ) -> ForkedProcess:
-        """Fork a worker running ``argv`` (the arguments after ``python -m workers``)."""
+        """Fork a worker running ``argv`` (the arguments after ``python -m workers``).
+
+        Waits for the fork (through the imports, for a zygote not yet ready).
+        Raises :class:`ForkServerDied` if the zygote is dead or does not answer
+        within ``timeout_s`` (it is then killed).
+        """
         argv = _with_parent(argv, self.proc.pid)  # a forked worker's parent is the zygote
         request = cloudpickle.dumps({"argv": argv, "payload": payload, "affinity": cpu_affinity})
+        if not self.alive():
+            raise ForkServerDied(f"the fork server (pid {self.pid}) is dead")
         assert self.proc.stdin is not None
-        self.proc.stdin.write(len(request).to_bytes(8, "big") + request)
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(len(request).to_bytes(8, "big") + request)
+            self.proc.stdin.flush()
+        except OSError as err:  # BrokenPipeError: it died since
+            raise ForkServerDied(f"the fork server (pid {self.pid}) is dead: {err}") from err
         deadline = time.monotonic() + timeout_s
         while not self._spawned:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise OSError("the fork server did not answer (is it dead?)")
+            if not self.alive():
+                raise ForkServerDied(f"the fork server (pid {self.pid}) died while forking")
+            if time.monotonic() > deadline:
+                self.proc.kill()  # a zygote that does not answer is as good as dead
+                self._read_reports(1.0)  # its end of file: on_death
+                raise ForkServerDied(f"the fork server did not answer within {timeout_s} s")
             self._read_reports(0.1)
-        return ForkedProcess(self._spawned.pop(0), self)
+        pid = self._spawned.pop(0)
+        try:
+            return ForkedProcess(pid, self)
+        except ProcessLookupError as err:
+            self.statuses.pop(pid, None)
+            raise _Vanished(f"forked worker {pid} died before it could be watched") from err
 
     def status_of(self, pid: int, wait_s: float) -> int | None:
+        """A dead child's exit status, as the zygote reported it (None: no report came)."""
         deadline = time.monotonic() + wait_s
-        while pid not in self.statuses and time.monotonic() < deadline:
-            self._read_reports(0.01)
+        while pid not in self.statuses and not (self.closed or self._eof):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._read_reports(min(remaining, 0.01))
         return self.statuses.pop(pid, None)
 
     def _read_reports(self, timeout_s: float) -> None:
+        if self.closed or self._eof:
+            return
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        ready, _, _ = select.select([fd], [], [], timeout_s)
+        ready, _, _ = select.select([fd], [], [], max(timeout_s, 0.0))
         if not ready:
             return
-        data = self._partial + os.read(fd, 65536)
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            self._on_eof()
+            return
+        data = self._partial + chunk
         cut = len(data) - len(data) % REPORT.size
         self._partial = data[cut:]
         for offset in range(0, cut, REPORT.size):
@@ -278,17 +415,40 @@ class ForkServer:
                 self._spawned.append(pid)
             elif kind == EXITED:
                 self.statuses[pid] = status
+            elif kind == READY:
+                self.ready = True
+
+    def _on_eof(self) -> None:
+        """Its pipe closes as it exits: reap it (briefly), then say so, unless we closed it."""
+        self._eof = True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1.0)
+        if not self._closing and self.on_death is not None:
+            self.on_death(self)
 
     def close(self) -> None:
-        # The zygote holds no state worth a graceful exit (its children are
-        # stopped first), and an interpreter with torch loaded takes a second
-        # to tear down: kill it.
-        self.proc.kill()
+        """End it: end of file on its stdin makes it reap and report its last children and exit.
+
+        What it reports before exiting (the exit codes of the workers stopped
+        just before) stays readable through :meth:`status_of`. A zygote still
+        there after a second is killed.
+        """
+        if self.closed:
+            return
+        self._closing = True
+        with contextlib.suppress(OSError, ValueError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        deadline = time.monotonic() + 1.0
+        while not self._eof and (remaining := deadline - time.monotonic()) > 0:
+            self._read_reports(remaining)
+        self.closed = True
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                if pipe is not None:
-                    pipe.close()
+        with contextlib.suppress(OSError):
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
@@ -299,27 +459,102 @@ def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
 
 
 class Launcher:
-    """Starts local workers, through the fork server when it is enabled and alive."""
+    """Starts local workers, through the fork server when it is enabled and alive.
+
+    A dead fork server is replaced at once (the replacement imports torch in
+    the background; until it is ready, :meth:`start` raises
+    :class:`ForkServerStarting`), up to :data:`FORK_SERVER_REPLACEMENTS`
+    times; then, or if a replacement cannot start, workers start as fresh
+    interpreters. Each of these events is warned once
+    (:class:`ForkServerWarning`, and the ``zmqpool`` log).
+    """
 
     def __init__(self, use_fork_server: bool, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.use_fork_server = use_fork_server
         self.fork_server: ForkServer | None = None
+        #: how many fork servers were started to replace a dead one.
+        self.replacements = 0
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The pid of the fork server in use (None: none running, or fresh interpreters)."""
+        server = self.fork_server
+        if server is None or not server.alive():
+            return None
+        return server.pid
 
     def start(
         self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None
     ) -> WorkerProcess:
-        if self.use_fork_server and self.fork_server is None:
-            self.fork_server = ForkServer()  # only once a local worker is wanted
-        if self.fork_server is not None:
+        """Start one worker; raises :class:`ForkServerStarting` while a replacement zygote loads."""
+        for _ in range(3):
+            server = self._fork_server()
+            if server is None:
+                break
             try:
-                args = argv[_PROGRAM_ARGS:]
-                return self.fork_server.start(args, payload, cpu_affinity, self.timeout_s)
-            except OSError as err:
-                log.warning("fork server unavailable (%s); starting workers afresh", err)
-                self.fork_server.close()
-                self.fork_server, self.use_fork_server = None, False
+                return server.start(argv[_PROGRAM_ARGS:], payload, cpu_affinity, self.timeout_s)
+            except _Vanished as err:
+                log.warning("%s; forking it again", err)
+            except ForkServerDied as err:
+                log.debug("%s", err)  # on_death replaced it (or gave up): try again
         return LocalProcess(argv, payload, cpu_affinity)
+
+    def _fork_server(self) -> ForkServer | None:
+        """The fork server to use now (None: start fresh interpreters)."""
+        if not self.use_fork_server:
+            return None
+        if self.fork_server is None:
+            # Only once a local worker is wanted; the first start waits through its imports.
+            self.fork_server = self._new_fork_server()
+        server = self.fork_server
+        if server is not None and not server.alive():
+            self._on_death(server)  # its end of file may already have said so: once only
+            server = self.fork_server
+        if server is None or server.ready or not self.replacements:
+            return server
+        if time.monotonic() - server.started_at > self.timeout_s:
+            self._give_up(f"the new fork server did not start within {self.timeout_s} s")
+            return None
+        raise ForkServerStarting(
+            f"the fork server died; its replacement (pid {server.pid}) is still importing "
+            "torch, and no worker can be forked before it is ready"
+        )
+
+    def _new_fork_server(self, context: str = "") -> ForkServer | None:
+        try:
+            return ForkServer(on_death=self._on_death)
+        except OSError as err:  # fork itself failed (memory, process limits)
+            self._give_up(f"{context}could not start a fork server ({err})")
+            return None
+
+    def _on_death(self, server: ForkServer) -> None:
+        """The fork server died: say so, once, and start a new one (or stop using them)."""
+        if server is not self.fork_server:
+            return  # a fork server already replaced, or closed
+        what = f"the fork server (pid {server.pid}) died ({server.describe()})"
+        server.close()
+        self.fork_server = None
+        if self.replacements >= FORK_SERVER_REPLACEMENTS:
+            self._give_up(f"{what}, after {self.replacements} replacements")
+            return
+        self.replacements += 1
+        self.fork_server = self._new_fork_server(f"{what}; ")
+        if self.fork_server is not None:
+            _warn(
+                f"{what}; the workers it had forked died with it and are restarted "
+                f"(their requests in flight get truncations) from a new fork server "
+                f"(pid {self.fork_server.pid})"
+            )
+
+    def _give_up(self, why: str) -> None:
+        server, self.fork_server, self.use_fork_server = self.fork_server, None, False
+        if server is not None:
+            server.close()
+        _warn(
+            f"{why}: local workers start as fresh interpreters from now on "
+            "(a restart takes seconds, not milliseconds)"
+        )
 
     def close(self) -> None:
         if self.fork_server is not None:

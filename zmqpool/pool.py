@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeGuard
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 from torchrl.envs import AsyncEnvPool, EnvBase
 
 from zmqpool.admission import Registrar
@@ -41,7 +41,7 @@ from zmqpool.remote import RemoteSlots
 from zmqpool.security import ServerKeys
 from zmqpool.specs import spec_from_data
 from zmqpool.state import Channel, Kind, Ledger, Reply
-from zmqpool.stats import stats_table
+from zmqpool.stats import BatchStats, env_stats, stats_table
 from zmqpool.supervisor import Supervisor
 from zmqpool.validation import check_step_input
 from zmqpool.wire import Command, Header
@@ -50,8 +50,7 @@ log = logging.getLogger("zmqpool")
 
 #: Commands whose input must hold the actions: checked before anything is sent.
 _CHECKED_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
-
-_STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
+_ENV_INDEX = "env_index"
 
 
 def _is_plain_batch(tensordict: Any) -> TypeGuard[TensorDict]:
@@ -213,6 +212,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._resources = _Resources(self.config)
         self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
         self._outstanding = dict.fromkeys(Kind, 0)
+        self._batch_stats = BatchStats()
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -267,7 +267,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             self.stack, self._stack_func, self._child_specs, self.config.zero_copy_threshold_bytes
         )
         specs: Any = torch.stack(list(self._child_specs))
-        return specs["output_spec"], specs["input_spec"]
+        # Cloned, as torchrl's threading pool does: a lazy stack of specs (envs whose
+        # non-tensor examples differ) shares the children, which torchrl then edits.
+        return specs["output_spec"].clone(), specs["input_spec"].clone()
 
     def _make_broker(self) -> Broker:
         if self.local_transport == "tcp":
@@ -394,8 +396,19 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(tensordict, list(range(tensordict.shape[0])))
         self.async_step_send(tensordict)
         replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
+        self._apply_edits(tensordict, replies)
         tensordict.set("next", self._assembler.stack_next(replies))
         return tensordict
+
+    def _apply_edits(self, tensordict: TensorDictBase, replies: list[Reply]) -> None:
+        """What an env wrote into its input, written into the caller's, as in-process.
+
+        In place, into the caller's tensors: a rollout's root shares them with
+        the previous step's ``"next"``, which an in-process env edits too.
+        """
+        edited = self._assembler.edited_roots(replies)
+        if edited is not None:
+            tensordict.update(edited.exclude(_ENV_INDEX), inplace=True)
 
     def step_and_maybe_reset(
         self, tensordict: TensorDictBase
@@ -411,6 +424,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(tensordict, idx)
         self.async_step_and_maybe_reset_send(tensordict)
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
+        self._apply_edits(tensordict, replies)
         tensordict.set("next", self._assembler.stack_next(replies))
         next_root = self._assembler.stack_roots(replies)
         self._assembler.set_env_index(next_root, idx)
@@ -440,7 +454,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             env_index = self._check_indices(list(env_index), tensordict)
         tensordict, env_idx = self._tag_batch(tensordict, env_index, make_if_none)
         if command in _CHECKED_COMMANDS:
-            check_step_input(tensordict, env_idx, self.input_spec, self.num_envs)
+            strict = self.config.strict_inputs
+            check_step_input(tensordict, env_idx, self.input_spec, self.num_envs, strict)
         per_env = isinstance(env_index, int)
         kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
         kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
@@ -453,11 +468,68 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"queried: {env_idx}."
                 )
         # The payload is the input too: a result is rebuilt from what was sent.
-        for env, payload in zip(env_idx, self._assembler.payloads(tensordict), strict=True):
+        # Every payload is built (and refused if it cannot cross the wire) before any is sent.
+        payloads = self._assembler.payloads(tensordict)
+        for env, payload in zip(env_idx, payloads, strict=True):
             self._broker.send(env, command, payload, per_env, inputs=payload)
+        if kind != Kind.RESET:
+            for env in env_idx:
+                self._batch_stats.record_action(env)
         if not per_env:
             self._busy.update(env_idx)
             self._outstanding[kind] += len(env_idx)
+
+    def _maybe_make_tensordict(
+        self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
+    ) -> tuple[TensorDictBase, list[int]]:
+        """torchrl's: the batch to send, with ``env_index`` set, and its env indices.
+
+        torchrl's reads one index per element (``view(-1)``), so a pool of
+        children with batch dims of their own sees every env repeated; here
+        the indices are read along the env dim, and new tensordicts get the
+        children's batch size.
+        """
+        if env_index is None:
+            return self._indexed_batch(tensordict)
+        if isinstance(env_index, int):
+            return self._one_env_batch(tensordict, env_index, make_if_none), [env_index]
+        env_index = list(env_index)
+        if tensordict is None and make_if_none:
+            tensordict = self._empty_batch(env_index)
+        if tensordict is None:
+            raise TypeError("a tensordict is needed to step envs")
+        self._assembler.set_env_index(tensordict, env_index)
+        return tensordict, env_index
+
+    def _indexed_batch(self, tensordict: Any) -> tuple[TensorDictBase, list[int]]:
+        if tensordict is None:
+            raise TypeError("a tensordict with an 'env_index' entry, or env_index=, is needed")
+        if _ENV_INDEX not in tensordict:
+            raise KeyError(
+                "the tensordict has no 'env_index' entry: pass env_index= or set it "
+                "(results of this pool carry it)"
+            )
+        env_idx = _indices_along_env_dim(tensordict.get(_ENV_INDEX))
+        if isinstance(env_idx, int):  # one env's own tensordict (NonTensorData index)
+            if tensordict.shape != (1, *self.env_batch_sizes[env_idx]):
+                tensordict = lazy_stack([tensordict])
+            return tensordict, [env_idx]
+        return tensordict, env_idx
+
+    def _one_env_batch(self, tensordict: Any, env: int, make_if_none: bool) -> TensorDictBase:
+        if tensordict is None and make_if_none:
+            tensordict = TensorDict(batch_size=self.env_batch_sizes[env], device=self.device)
+        if tensordict is None:
+            raise TypeError(f"a tensordict is needed to step env {env}")
+        tensordict.set(_ENV_INDEX, NonTensorData(env, batch_size=tensordict.batch_size))
+        return lazy_stack([tensordict])  # unbind(0) gives the caller's tensordict back
+
+    def _empty_batch(self, env_index: list[int]) -> TensorDictBase:
+        sizes = [self.env_batch_sizes[i] for i in env_index]
+        if self.stack == "dense" and len(set(sizes)) <= 1:
+            lead = sizes[0] if sizes else torch.Size()
+            return TensorDict(batch_size=(len(env_index), *lead), device=self.device)
+        return LazyStackedTensorDict(*[TensorDict(batch_size=b, device=self.device) for b in sizes])
 
     def _tag_batch(
         self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
@@ -501,15 +573,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             )
         return env_idx
 
-    def _validate_batch(self, tensordict: TensorDictBase, env_idx: list) -> tuple:
-        env_idx[:] = self._check_indices(list(env_idx), None)
-        if tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
-            raise ValueError(
-                f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
-                f"the {len(env_idx)} env indices {env_idx}"
-            )
-        return tensordict.unbind(0)
-
     def async_step_send(self, tensordict, env_index=None) -> None:
         self._send(Command.STEP, tensordict, env_index, False)
 
@@ -528,23 +591,39 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     # ------------------------------------------------------------ receiving
 
     def async_step_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
-        replies = self._recv(Kind.STEP, min_get, env_index, max_get, timeout)
-        return self._assembler.assemble(replies)[0]
+        """Step results: at least ``min_get`` (see torchrl's docs), or env ``env_index``'s own.
+
+        ``timeout`` is a deadline for the whole call: fewer than ``min_get``
+        results by then raises ``TimeoutError`` (they stay for the next call);
+        once ``min_get`` are in, the call keeps collecting until the deadline
+        or ``max_get`` results, as torchrl documents (deadline batching).
+        """
+        return self._results(Kind.STEP, min_get, env_index, max_get, timeout)[0]
 
     _async_private_step_recv = async_step_recv
 
     def async_reset_recv(self, min_get=None, env_index=None, *, max_get=None, timeout=None):
-        replies = self._recv(Kind.RESET, min_get, env_index, max_get, timeout)
-        return self._assembler.assemble(replies)[0]
+        """Reset results; the arguments are those of :meth:`async_step_recv`."""
+        return self._results(Kind.RESET, min_get, env_index, max_get, timeout)[0]
 
     _async_private_reset_recv = async_reset_recv
 
     def async_step_and_maybe_reset_recv(
         self, min_get=None, env_index=None, *, max_get=None, timeout=None
     ):
-        replies = self._recv(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
-        result, next_root = self._assembler.assemble(replies)
-        return result, next_root
+        """Step results and the next roots; the arguments are those of :meth:`async_step_recv`."""
+        return self._results(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
+
+    def _results(
+        self, kind: Kind, min_get, env_index, max_get, timeout
+    ) -> tuple[TensorDictBase, TensorDictBase | None]:
+        replies = self._recv(kind, min_get, env_index, max_get, timeout)
+        ready_at = [(r.env, r.ready_at) for r in replies]
+        per_env = env_index is not None
+        self._batch_stats.record_batch(ready_at, 1 if per_env else max_get, kind != Kind.RESET)
+        if per_env:  # torchrl's per-env channel: the env's own tensordict
+            return self._assembler.assemble_one(replies[0])
+        return self._assembler.assemble(replies)
 
     def _recv(
         self,
@@ -557,6 +636,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if env_index is not None:
             self._check_env_index_arg(env_index)
+            self._check_awaited((kind, env_index))
             return self._note_restarted(self._collect((kind, env_index), 1, 1, None))
         min_get = self.min_get if min_get is None else min_get
         self._check_recv_args(kind, min_get, max_get, timeout)
@@ -568,6 +648,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _note_restarted(self, replies: list[Reply]) -> list[Reply]:
         self.last_restarted_envs = [r.env for r in replies if r.synthesized]
         return replies
+
+    def _check_awaited(self, channel: Channel) -> None:
+        """An env's own channel: refuse a recv that nothing was sent for (it would wait forever)."""
+        if self._ledger.count_ready(channel) or self._ledger.in_flight(channel):
+            return
+        raise RuntimeError(
+            f"env {channel[1]} has no {channel[0].value} in flight on its own channel: "
+            f"send one with env_index={channel[1]} first"
+        )
 
     def _check_recv_args(self, kind: Kind, min_get: int, max_get: int | None, timeout) -> None:
         if min_get < 1:
@@ -585,7 +674,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _collect(
         self, channel: Channel, min_get: int, max_get: int | None, timeout: float | None
     ) -> list[Reply]:
-        """Wait (up to ``timeout``) for ``min_get`` replies, then take what else is ready."""
+        """Wait (up to ``timeout``) for ``min_get`` replies, then batch until the deadline.
+
+        Without a ``timeout``, what else is ready now is taken and nothing is
+        waited for; with one, the call keeps collecting until the deadline or
+        until ``max_get`` replies (or every request of the channel) are in.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         drained = self._pump(0)
         while self._ledger.count_ready(channel) < min_get:
@@ -597,19 +691,28 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     f"after {timeout}s; they remain available to the next call."
                 )
             drained = self._pump(remaining)
-        if not drained:  # a pump that read everything just now left nothing to top up
-            self._top_up(channel, max_get)
+        if deadline is not None:
+            drained = self._batch_until(channel, max_get, deadline, drained)
+        if not drained:  # a pump that read everything just now left nothing to take
+            self._pump(0)
         self._raise_ready_error(channel)
         return sorted(self._ledger.take(channel, max_get), key=lambda r: r.env)
 
-    def _top_up(self, channel: Channel, max_get: int | None) -> None:
-        """Once ``min_get`` is met, take what else is ready now; never wait for more.
-
-        torchrl keeps collecting until the deadline once ``min_get`` is met, so
-        a ``timeout`` meant as a safety net stalls every call; here ``timeout``
-        bounds only the wait for ``min_get``.
-        """
-        self._pump(0)
+    def _batch_until(
+        self, channel: Channel, max_get: int | None, deadline: float, drained: bool
+    ) -> bool:
+        """Deadline batching: pump until ``deadline`` or until there is nothing more to wait for."""
+        wanted = self._outstanding[channel[0]] if channel[1] is None else 1
+        if max_get is not None:
+            wanted = min(wanted, max_get)
+        while self._ledger.count_ready(channel) < wanted:
+            if self._ledger.first_error(channel) is not None:
+                break
+            remaining = self._remaining(deadline)
+            if remaining <= 0:
+                break
+            drained = self._pump(remaining)
+        return drained
 
     def _remaining(self, deadline: float | None) -> float:
         if deadline is None:
@@ -639,8 +742,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         assert reply.error is not None
         raise reply.error
 
-    # ------------------------------------------------------------ assembling results
-
     # ------------------------------------------------------------ seeding, closing
 
     def _set_seed(self, seed: int | None) -> None:
@@ -654,15 +755,29 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         for env in range(self.num_envs):
             self._collect((Kind.RESET, env), 1, 1, self.config.register_timeout_s)
 
-    def stats(self, *, reset: bool = False) -> dict[int, dict[str, Any]]:
-        """Per env: steps, restarts, the last restart's cause, step latency (ms, p50 and p99).
+    def stats(self, *, reset: bool = False) -> dict[str, float | int]:
+        """torchrl's batch figures (``batches``, ``items``, ``avg_batch_size``, ...).
+
+        The keys and meanings of torchrl's ``AsyncEnvPool.stats()`` (which
+        only its shared-memory exchange fills); see
+        :class:`~zmqpool.stats.BatchStats`. ``reset=True`` clears them after
+        the snapshot. Per-env figures are :meth:`env_stats`.
 
         Example:
-            >>> pool.stats()[0]["restarts"]  # doctest: +SKIP
+            >>> pool.stats()["avg_batch_size"]  # doctest: +SKIP
+            1.7
+        """
+        return self._batch_stats.snapshot(reset=reset)
+
+    def env_stats(self, *, reset: bool = False) -> dict[int, dict[str, Any]]:
+        """Per env: steps, restarts, the last restart's cause, step latency (ms, p50 and p99).
+
+        ``reset=True`` clears the latencies after the snapshot.
+
+        Example:
+            >>> pool.env_stats()[0]["restarts"]  # doctest: +SKIP
             0
         """
-        from zmqpool.stats import env_stats
-
         result = {slot.index: env_stats(slot) for slot in self._ledger.slots}
         if reset:
             for slot in self._ledger.slots:
@@ -670,8 +785,36 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return result
 
     def stats_table(self) -> str:
-        """:meth:`stats` as a table for people."""
-        return stats_table(self.stats())
+        """:meth:`env_stats` as a table for people."""
+        return stats_table(self.env_stats())
+
+    # ------------------------------------------------------------ processes
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The pid of the fork server that local workers are forked from (None: none running)."""
+        return self._launcher.fork_server_pid
+
+    def worker_processes(self) -> dict[int, WorkerProcess]:
+        """Each local worker's process (``pid``, ``exit_status()``), by worker index.
+
+        A worker being restarted is absent. Remote workers are not ours to list.
+        """
+        return self._supervisor.worker_processes()
+
+    def worker_pid(self, env_index: int) -> int | None:
+        """The pid of the local process hosting env ``env_index`` now.
+
+        None for a remote env, or while its worker is being restarted.
+
+        Example:
+            >>> os.kill(pool.worker_pid(0), signal.SIGKILL)  # doctest: +SKIP
+        """
+        self._check_env_index_arg(env_index)
+        if env_index >= self.num_local_envs:
+            return None
+        process = self.worker_processes().get(env_index // self.envs_per_worker)
+        return None if process is None else process.pid
 
     def _check_open(self) -> None:
         if self._resources.closed:
@@ -685,3 +828,28 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def __repr__(self) -> str:
         state = "closed" if self._resources.closed else "open"
         return f"{type(self).__name__}(num_envs={self.num_envs}, stack={self.stack!r}, {state})"
+
+
+def _indices_along_env_dim(value: Any) -> int | list[int]:
+    """The env indices in an ``env_index`` entry, one per env (its first dim).
+
+    A scalar (``NonTensorData`` or a 0-d tensor) is one env's own tensordict.
+    An entry expanded over a child's batch dims holds its env's index in
+    every element: the first one stands for the row.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            return int(value)
+        return value.reshape(value.shape[0], -1)[:, 0].tolist()
+    if isinstance(value, NonTensorData):
+        return _first(value.data) if value.batch_dims else value.data
+    data = value.tolist() if hasattr(value, "tolist") else value
+    if not isinstance(data, list):
+        return data
+    return [_first(item) for item in data]
+
+
+def _first(item: Any) -> Any:
+    while isinstance(item, list) and item:
+        item = item[0]
+    return item

@@ -20,7 +20,8 @@ error)::
     NonTensor          shape, device, dtype: str | None, example_data: plain | None,
                        batched: bool, feature_dims: int | None (None when batched)
     Composite          shape, device, entries: {str: spec | None},
-                       names: [str | None] | None, step_mdp_static: bool
+                       names: [str | None] | None, step_mdp_static: bool,
+                       and only when set: data_cls: "module:qualname"
     StackedComposite   dim: int, specs: [Composite spec, ...]  (heterogeneous stack)
     Stacked            dim: int, specs: [leaf spec, ...]       (heterogeneous stack)
 
@@ -39,6 +40,17 @@ dims along which every slice is bitwise equal, so the expansion is exact.
 (None, bool, int, float, str, bytes, lists, dicts with str keys); anything
 else (a tensor, a tuple, an object) is dropped on encode.
 
+A ``Composite.data_cls`` travels by name, and only a tensorclass's (what
+torchrl's ``EnvWithTensorClass`` declares): ``data_cls`` is absent when it
+is None, so such specs are the bytes they were before it existed (a peer
+that predates it refuses the key, cleanly). It is looked up as
+:func:`zmqpool.wire.resolve_tensorclass` does for the wire's tensordicts,
+never imported: a malformed name, or one naming anything but a tensorclass
+whose fields include every entry, is a ``ProtocolError``; a class not loaded
+in this process gives the spec ``data_cls=None`` and one
+:class:`~zmqpool.wire.TensorclassNotLoadedWarning` naming the module to
+import (its values then arrive as plain TensorDicts too).
+
 Decoding trusts nothing: every malformed input raises
 :class:`~zmqpool.errors.ProtocolError` naming the spec's path and the field.
 Shapes are capped at :data:`MAX_DIMS` dims and :data:`MAX_NUMEL` elements,
@@ -54,8 +66,9 @@ element only: their size is not tied to a leaf's counted shape (a mask's), or
 torchrl builds a Python object per element (``nvec``'s), so they must cost the
 sender what they cost us.
 Encoding refuses, with a ``ProtocolError``, what decoding would refuse: other
-spec classes, a ``Composite.data_cls``, a non-CPU device, negative
-(variable-size) dims.
+spec classes, a ``Composite.data_cls`` that is not a tensorclass (or has a
+name no peer would accept), a non-CPU device, dims below -1 (-1 is
+torchrl's "varies from step to step", and crosses).
 """
 
 from __future__ import annotations
@@ -88,7 +101,13 @@ from torchrl.data.tensor_specs import (
 )
 
 from zmqpool.errors import ProtocolError
-from zmqpool.wire import dtype_from_name, dtype_name
+from zmqpool.wire import (
+    dtype_from_name,
+    dtype_name,
+    resolve_tensorclass,
+    tensorclass_fields,
+    tensorclass_name,
+)
 
 __all__ = [
     "MAX_DEPTH",
@@ -123,8 +142,9 @@ def spec_to_data(spec: TensorSpec) -> dict[str, Any]:
 
     Raises:
         ProtocolError: the spec holds something that cannot cross the wire (a spec
-            class not listed in this module's docstring, a ``data_cls``, a non-CPU
-            device, a negative dim, an unlisted dtype); the message names where.
+            class not listed in this module's docstring, a ``data_cls`` that is not a
+            tensorclass, a non-CPU device, a negative dim, an unlisted dtype); the
+            message names where.
     """
     return _encode(spec, _At())
 
@@ -159,7 +179,7 @@ class _At:
 
     def charge(self, shape: Sequence[int], dtype: torch.dtype) -> None:
         """Counts a (checked) tensor leaf's shape against the tree's element and byte budgets."""
-        numel = math.prod(shape)
+        numel = static_numel(shape)
         self.budget[0] -= numel
         self.budget[1] -= numel * dtype.itemsize
         if self.budget[0] < 0:
@@ -182,6 +202,8 @@ class _Codec:
     keys: frozenset[str]
     encode: Callable[[Any, _At], dict[str, Any]]
     decode: Callable[[Mapping[str, Any], _At], TensorSpec]
+    #: Keys that may be absent (sent only when set).
+    optional: frozenset[str] = frozenset()
 
 
 def _encode(spec: Any, at: _At) -> dict[str, Any]:
@@ -200,7 +222,7 @@ def _decode(data: Any, at: _At) -> TensorSpec:
     if not isinstance(name, str) or name not in _BY_NAME:
         raise at.error(f"unknown spec class {_short(name)}; known: {', '.join(_BY_NAME)}")
     codec = _BY_NAME[name]
-    _check_keys(at, data, codec.keys | {"class"}, name)
+    _check_keys(at, data, codec.keys | {"class"}, name, codec.optional)
     return codec.decode(data, at)
 
 
@@ -228,7 +250,7 @@ def _leaf_to_data(spec: TensorSpec, at: _At) -> dict[str, Any]:
 def _leaf_from_data(
     data: Mapping[str, Any], at: _At
 ) -> tuple[torch.Size, torch.device | None, torch.dtype]:
-    shape = _shape_from_data(at, "shape", data["shape"])
+    shape = _shape_from_data(at, "shape", data["shape"], dynamic=True)
     dtype = _dtype_from_data(at, "dtype", data["dtype"])
     at.charge(shape, dtype)
     return shape, _device_from_data(at, data["device"]), dtype
@@ -361,7 +383,7 @@ def _non_tensor_to_data(spec: NonTensor, at: _At) -> dict[str, Any]:
 
 
 def _non_tensor_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
-    shape = _shape_from_data(at, "shape", data["shape"])
+    shape = _shape_from_data(at, "shape", data["shape"], dynamic=True)
     device = _device_from_data(at, data["device"])
     dtype = None if data["dtype"] is None else _dtype_from_data(at, "dtype", data["dtype"])
     example = data["example_data"]
@@ -383,34 +405,59 @@ def _non_tensor_batching(data: Mapping[str, Any], at: _At) -> dict[str, Any]:
 
 
 def _composite_to_data(spec: Composite, at: _At) -> dict[str, Any]:
-    if getattr(spec, "data_cls", None) is not None:
-        raise at.error(
-            f"Composite.data_cls={getattr(spec.data_cls, '__name__', spec.data_cls)} "
-            "cannot cross the wire; only data_cls=None is supported"
-        )
+    data_cls = getattr(spec, "data_cls", None)
     names = list(spec.names)
     entries = {
         key: None if sub is None else _encode(sub, at.child(key)) for key, sub in spec.items()
     }
-    return {
+    data = {
         "shape": _shape_to_data(at, spec.shape),
         "device": _device_to_data(at, spec.device),
         "entries": entries,
         "names": names if any(name is not None for name in names) else None,
         "step_mdp_static": bool(spec.step_mdp_static),
     }
+    if data_cls is not None:
+        data["data_cls"] = _data_cls_to_data(at, data_cls)
+    return data
+
+
+def _data_cls_to_data(at: _At, data_cls: Any) -> str:
+    try:
+        return tensorclass_name(data_cls)
+    except ProtocolError as err:
+        raise at.error(
+            f"Composite.data_cls={getattr(data_cls, '__name__', data_cls)} cannot cross the "
+            f"wire (only None and tensorclasses do): {err}"
+        ) from None
+
+
+def _data_cls_from_data(at: _At, data: Mapping[str, Any], keys: Any) -> type | None:
+    """The tensorclass the spec names (looked up, never imported); None if absent or not loaded."""
+    if "data_cls" not in data:
+        return None
+    try:
+        cls = resolve_tensorclass(data["data_cls"])
+    except ProtocolError as err:
+        raise at.error(f"data_cls: {err}") from None
+    extra = sorted(set(keys) - tensorclass_fields(cls)) if cls is not None else []
+    if extra:
+        fields = ", ".join(_short(key, 40) for key in extra[:8])
+        raise at.error(f"data_cls {data['data_cls']} has no field {fields}")
+    return cls
 
 
 def _composite_from_data(data: Mapping[str, Any], at: _At) -> TensorSpec:
-    shape = _shape_from_data(at, "shape", data["shape"])
+    shape = _shape_from_data(at, "shape", data["shape"], dynamic=True)
     device = _device_from_data(at, data["device"])
     names = _names_from_data(at, data["names"], len(shape))
     static = _bool_field(at, data, "step_mdp_static")
     entries = data["entries"]
     if not isinstance(entries, Mapping) or not all(isinstance(k, str) for k in entries):
         raise at.error("entries must be a dict with str keys")
+    data_cls = _data_cls_from_data(at, data, entries)
     children = {key: _entry_from_data(value, at.child(key)) for key, value in entries.items()}
-    return _call(at, _build_composite, children, shape, device, names, static)
+    return _call(at, _build_composite, children, shape, device, names, static, data_cls)
 
 
 def _entry_from_data(value: Any, at: _At) -> TensorSpec | None:
@@ -423,10 +470,13 @@ def _build_composite(
     device: torch.device | None,
     names: list[str | None] | None,
     static: bool,
+    data_cls: type | None = None,
 ) -> Composite:
     # Names first, children after: Composite(names=...) would otherwise
     # overwrite the nested specs' own names with its own.
-    spec = Composite(shape=shape, device=device, names=names, step_mdp_static=static)
+    spec = Composite(
+        shape=shape, device=device, names=names, step_mdp_static=static, data_cls=data_cls
+    )
     for key, child in children.items():
         spec[key] = child
     return spec
@@ -483,9 +533,15 @@ def _check_stackable(at: _At, cls: type, parts: list[TensorSpec], dim: int) -> N
 # ---------------------------------------------------------------- fields
 
 
-def _check_keys(at: _At, data: Mapping[Any, Any], keys: frozenset[str], what: str) -> None:
+def _check_keys(
+    at: _At,
+    data: Mapping[Any, Any],
+    keys: frozenset[str],
+    what: str,
+    optional: frozenset[str] = frozenset(),
+) -> None:
     present = set(data)
-    missing, extra = keys - present, present - keys
+    missing, extra = keys - present, present - keys - optional
     if missing or extra:
         raise at.error(
             f"{what}: missing keys {sorted(missing)[:8]}, "
@@ -512,17 +568,24 @@ def _bool_field(at: _At, data: Mapping[str, Any], key: str) -> bool:
 
 
 def _shape_to_data(at: _At, shape: torch.Size) -> list[int]:
-    return list(_shape_from_data(at, "shape", [int(size) for size in shape]))
+    return list(_shape_from_data(at, "shape", [int(size) for size in shape], dynamic=True))
 
 
-def _shape_from_data(at: _At, what: str, value: Any) -> torch.Size:
+def _shape_from_data(at: _At, what: str, value: Any, dynamic: bool = False) -> torch.Size:
+    """A checked shape; with ``dynamic``, a dim may be -1 (torchrl's "varies from step to step")."""
     if not isinstance(value, (list, tuple)) or len(value) > MAX_DIMS:
         raise at.error(f"{what} must be a list of at most {MAX_DIMS} ints, got {_short(value)}")
-    if not all(_is_int(size, 0, MAX_NUMEL) for size in value):
-        raise at.error(f"{what} dims must be ints in [0, {MAX_NUMEL}], got {_short(value)}")
-    if math.prod(value) > MAX_NUMEL:  # in Python: torch.Size.numel() can overflow
+    low = -1 if dynamic else 0
+    if not all(_is_int(size, 0, MAX_NUMEL) or (size == low == -1) for size in value):
+        raise at.error(f"{what} dims must be ints in [{low}, {MAX_NUMEL}], got {_short(value)}")
+    if static_numel(value) > MAX_NUMEL:  # in Python: torch.Size.numel() can overflow
         raise at.error(f"{what} {list(value)} has more than {MAX_NUMEL} elements")
     return torch.Size(value)
+
+
+def static_numel(shape: Sequence[int]) -> int:
+    """Elements of a shape, a dynamic dim (-1) counted as one: what a spec's bounds hold."""
+    return math.prod(max(size, 1) if size < 0 else size for size in shape)
 
 
 def _device_to_data(at: _At, device: Any) -> str | None:
@@ -735,10 +798,11 @@ _CODECS: dict[type, _Codec] = {
         _non_tensor_to_data,
         _non_tensor_from_data,
     ),
-    Composite: _codec(
-        {"shape", "device", "entries", "names", "step_mdp_static"},
+    Composite: _Codec(
+        frozenset({"shape", "device", "entries", "names", "step_mdp_static"}),
         _composite_to_data,
         _composite_from_data,
+        optional=frozenset({"data_cls"}),
     ),
     StackedComposite: _codec(
         {"dim", "specs"}, _stack_to_data, _P(_stack_from_data, StackedComposite)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -69,6 +70,7 @@ class Reply:
     parts: list[DecodedPart] = dataclasses.field(default_factory=list)
     error: Exception | None = None
     synthesized: bool = False
+    ready_at: float = 0.0  # when it reached the trainer (monotonic), for pool.stats()
 
 
 @dataclasses.dataclass
@@ -161,6 +163,7 @@ class Ledger:
         )
         if stepped and reply.error is None:
             self.slots[reply.env].steps += 1
+        reply.ready_at = time.monotonic()
         self.ready.setdefault(reply.pending.channel, []).append(reply)
 
     def take(self, channel: Channel, max_get: int | None) -> list[Reply]:

@@ -2,7 +2,8 @@
 
 Deaths are seen three ways, under one :class:`~zmqpool.policy.RestartPolicy`:
 
-- the worker process exits (its pidfd, polled by the broker): at once;
+- the worker process exits (its pidfd, polled by the broker): at once, also
+  when the fork server that forked it died first and took it along;
 - a request runs past ``step_timeout_s``: the worker is killed;
 - the worker goes silent past the heartbeat timeout while the pool listens:
   it is killed (a hung interpreter that no longer runs its heartbeat thread).
@@ -25,29 +26,18 @@ restart (:mod:`zmqpool.synthesis`).
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Callable
 
 from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
 from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
+from zmqpool.launcher import ForkServerStarting, WorkerProcess, describe_status
 from zmqpool.policy import RestartPolicy
 from zmqpool.remote import RemoteSlots
 from zmqpool.state import Ledger, Pending, Reply
 
 log = logging.getLogger("zmqpool")
-
-
-def describe_status(status: int | None) -> str:
-    if status is None:
-        return "exited (status unknown)"
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exited with code {status}"
 
 
 class Supervisor:
@@ -104,13 +94,13 @@ class Supervisor:
         if worker is None:
             return
         if event.kind == "exited":
-            self._on_exit(worker, event.detail.get("status"))
+            self._on_exit(worker, event.detail.get("status"), event.detail.get("cause"))
         elif event.kind == "failed":
             self._maker_traceback[worker] = str(event.detail.get("tb", ""))
             log.warning("worker %d failed to come back in a restart: %s", worker, event.detail)
 
-    def _on_exit(self, worker: int, status: int | None) -> None:
-        cause, traceback = self._kill_cause.pop(worker, (describe_status(status), ""))
+    def _on_exit(self, worker: int, status: int | None, why: str | None = None) -> None:
+        cause, traceback = self._kill_cause.pop(worker, (why or describe_status(status), ""))
         traceback = traceback or self._maker_traceback.pop(worker, "")
         envs = self.worker_envs[worker]
         self.broker.forget_worker(self.identities[worker])
@@ -177,7 +167,10 @@ class Supervisor:
         for worker, when in list(self._scheduled.items()):
             if when <= now:
                 del self._scheduled[worker]
-                self.spawn(worker)
+                try:
+                    self.spawn(worker)
+                except ForkServerStarting as wait:  # a new zygote imports torch: not us
+                    self._scheduled[worker] = now + wait.retry_after_s
         if not judge:
             return
         self._check_deadlines(now)
@@ -232,6 +225,14 @@ class Supervisor:
                 if worker is not None and worker not in self._kill_cause:
                     cause = f"hung: no reply to {pending.command.name} within {timeout} s"
                     self._kill(worker, cause, "")
+
+    def worker_processes(self) -> dict[int, WorkerProcess]:
+        """The process of each local worker, by worker index (one being restarted is absent)."""
+        return {
+            self.local_identities[identity]: process
+            for identity, process in self.broker.processes.values()
+            if identity in self.local_identities
+        }
 
     def _kill(self, worker: int, cause: str, traceback: str) -> None:
         self._kill_cause[worker] = (cause, traceback)

@@ -1,17 +1,19 @@
 """Checks on what the trainer hands the pool, run before anything is sent.
 
-torchrl's pool sends whatever it is given: a missing action, a float64 action
-for a float32 spec or an action of the wrong shape reaches the env in its
-worker, which fails there (or, worse, broadcasts and carries on), and the
-trainer learns of it at the next recv, from a remote traceback, with the env
-already marked busy. Here the same mistakes raise at the send, in the
-trainer's own stack, naming the key and what was expected:
+A drop-in must take what torchrl's pool takes: torchrl hands the caller's
+tensors to the env as they are, and envs cope (torchrl's own tests step
+``CountingEnv``'s int8 action spec with float32 ones). So by default only
+what can never work is refused, at the send, in the trainer's own stack,
+naming what is wrong:
 
 - ``TypeError``: an env index that is not an integer;
 - ``IndexError``: an env index out of range;
 - ``ValueError``: a repeated env index, a tensordict whose leading batch
-  dimension does not match the env indices, a missing action key, an action
-  (or a state entry, when present) of the wrong dtype or shape.
+  dimension does not match the env indices, a missing action key.
+
+With ``strict=True`` (``PoolConfig(strict_inputs=True)``), an opt-in, an
+action (or a state entry, when present) of another dtype or shape than the
+spec is refused as well, as ``ValueError``.
 
 What is expected is worked out once per input spec (:class:`StepInputSpec`)
 and cached, so a check is a few microseconds per step.
@@ -98,6 +100,7 @@ class StepInputSpec:
         input_spec: the pool's stacked ``input_spec`` (a ``Composite`` with
             ``full_action_spec`` and ``full_state_spec``, env dim first).
         num_envs: the pool's number of envs.
+        strict: also refuse entries whose dtype or shape is not the spec's.
 
     Example:
         >>> from zmqpool.testing import CountingEnv
@@ -108,10 +111,12 @@ class StepInputSpec:
         [1, 0]
     """
 
-    def __init__(self, input_spec: Any, num_envs: int) -> None:
+    def __init__(self, input_spec: Any, num_envs: int, strict: bool = False) -> None:
         self.num_envs = num_envs
+        self.strict = strict
         actions = _entries(input_spec, "full_action_spec", "action")
-        self.expected = tuple(actions + _entries(input_spec, "full_state_spec", "state"))
+        states = _entries(input_spec, "full_state_spec", "state") if strict else []
+        self.expected = tuple(actions + states)
 
     def __call__(
         self, td: TensorDictBase, env_indices: int | Sequence[int] | torch.Tensor
@@ -134,13 +139,13 @@ class StepInputSpec:
             self._check_rows(td.tensordicts)  # row by row: no stacking copies
         else:
             for expected in self.expected:
-                _check_entry(td, expected, (len(indices),))
+                _check_entry(td, expected, (len(indices),), self.strict)
         return indices
 
     def _check_rows(self, rows: Sequence[TensorDictBase]) -> None:
         for row in rows:
             for expected in self.expected:
-                _check_entry(row, expected, ())
+                _check_entry(row, expected, (), self.strict)
 
 
 def _entries(input_spec: Any, group: str, role: str) -> list[Expected]:
@@ -157,17 +162,63 @@ def _entries(input_spec: Any, group: str, role: str) -> list[Expected]:
     return entries
 
 
-def _check_entry(td: TensorDictBase, expected: Expected, lead: tuple[int, ...]) -> None:
-    value = td.get(expected.key, None)
-    if value is None:
+def _check_entry(
+    td: TensorDictBase, expected: Expected, lead: tuple[int, ...], strict: bool
+) -> None:
+    values = _values_at(td, _as_path(expected.key), lead + expected.shape)
+    if values is None:
         if expected.required:
             raise ValueError(
                 f"the step input has no {expected.role} {expected.key!r}: expected a "
                 f"{expected.dtype} tensor of shape {lead + expected.shape}"
             )
         return
-    if expected.dtype is None:  # a non-tensor entry: present is all we can say
+    if not strict or expected.dtype is None:  # a non-tensor entry: present is all we can say
         return
+    for value, want in values:
+        _check_value(value, want, expected)
+
+
+def _as_path(key: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else key
+
+
+def _values_at(
+    td: Any, path: tuple[str, ...], want: tuple[int, ...]
+) -> list[tuple[Any, tuple[int, ...]]] | None:
+    """The entry at ``path`` with the shape it should have; None if absent.
+
+    Where the path crosses a lazy stack (a heterogeneous env's agents), each
+    member is looked at alone, with the stacked dim taken out of the shape: a
+    ``get`` through the stack would try to stack members whose shapes differ.
+    """
+    node = td
+    for depth, name in enumerate(path):
+        if isinstance(node, LazyStackedTensorDict):
+            return _values_across(node, path[depth:], want)
+        if not isinstance(node, TensorDictBase) or name not in node:
+            return None
+        if depth == len(path) - 1:
+            return [(node.get(name), want)]
+        node = node.get(name)
+    return None
+
+
+def _values_across(
+    stack: LazyStackedTensorDict, path: tuple[str, ...], want: tuple[int, ...]
+) -> list[tuple[Any, tuple[int, ...]]] | None:
+    dim = stack.stack_dim  # a leaf's shape starts with its tensordict's batch size
+    member_want = want[:dim] + want[dim + 1 :]
+    found: list[tuple[Any, tuple[int, ...]]] = []
+    for member in stack.tensordicts:
+        values = _values_at(member, path, member_want)
+        if values is None:
+            return None
+        found += values
+    return found
+
+
+def _check_value(value: Any, want: tuple[int, ...], expected: Expected) -> None:
     if not isinstance(value, torch.Tensor):
         raise ValueError(
             f"{expected.role} {expected.key!r}: expected a {expected.dtype} tensor, "
@@ -178,7 +229,7 @@ def _check_entry(td: TensorDictBase, expected: Expected, lead: tuple[int, ...]) 
             f"{expected.role} {expected.key!r}: expected dtype {expected.dtype}, "
             f"got {value.dtype} (shape {tuple(value.shape)})"
         )
-    _check_shape(value.shape, lead + expected.shape, expected)
+    _check_shape(value.shape, want, expected)
 
 
 def _check_shape(shape: torch.Size, want: tuple[int, ...], expected: Expected) -> None:
@@ -192,7 +243,7 @@ def _check_shape(shape: torch.Size, want: tuple[int, ...], expected: Expected) -
         )
 
 
-_CACHE: dict[tuple[int, int], tuple[Any, StepInputSpec]] = {}
+_CACHE: dict[tuple[int, int, bool], tuple[Any, StepInputSpec]] = {}
 _CACHE_SIZE = 32
 
 
@@ -201,6 +252,7 @@ def check_step_input(
     env_indices: int | Sequence[int] | torch.Tensor,
     input_spec: Any,
     num_envs: int,
+    strict: bool = False,
 ) -> list[int]:
     """Refuse a step input the envs cannot take, before it is sent; return the indices.
 
@@ -214,16 +266,19 @@ def check_step_input(
         >>> check_step_input(TensorDict({"action": torch.zeros(1, 1)}, [1]), [1], spec, 2)
         [1]
         >>> td = TensorDict({"action": torch.zeros(1, 1, dtype=torch.float64)}, [1])
-        >>> check_step_input(td, [1], spec, 2)
+        >>> check_step_input(td, [1], spec, 2)  # the env gets it as it is
+        [1]
+        >>> check_step_input(td, [1], spec, 2, strict=True)
         Traceback (most recent call last):
         ...
         ValueError: action 'action': expected dtype torch.float32, got torch.float64 (shape (1, 1))
     """
-    cached = _CACHE.get((id(input_spec), num_envs))
+    key = (id(input_spec), num_envs, strict)
+    cached = _CACHE.get(key)
     if cached is None or cached[0] is not input_spec:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.clear()
         # The spec is kept alive with its expectations, so its id cannot be reused.
-        cached = (input_spec, StepInputSpec(input_spec, num_envs))
-        _CACHE[(id(input_spec), num_envs)] = cached
+        cached = (input_spec, StepInputSpec(input_spec, num_envs, strict))
+        _CACHE[key] = cached
     return cached[1](td, env_indices)

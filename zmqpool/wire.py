@@ -30,13 +30,70 @@ own_frame]``, ``"n"`` the non-tensor key paths, and, only when needed, ``"s"``
 the nested tensordicts that have a batch size of their own or no keys
 (``[key path, batch size]``) and ``"k"`` the indices of the non-tensor keys
 that hold a ``NonTensorStack`` (their value is then a nested list, one item per
-batch element) rather than one ``NonTensorData``. Leaves
+batch element) rather than one ``NonTensorData``, ``"z"`` the lazy stacks
+and ``"c"`` the tensorclasses (both below). Leaves
 smaller than :data:`ZERO_COPY_THRESHOLD` bytes are packed, 16-byte aligned, in
 one frame (copying a few bytes is cheaper than a zero-copy frame's
 bookkeeping); larger ones travel as their own frame, sent with ``copy=False``
 and read with :func:`torch.frombuffer`, without a copy. The receiver
 recomputes offsets itself and checks every frame's size against the layout
 before touching it.
+
+Lazy stacks. A ``LazyStackedTensorDict`` (heterogeneous envs' per-agent
+entries: members with different keys or shapes) travels as its members, never
+densified: ``"z"`` lists ``[key path, stack_dim, member count]`` per lazy
+stack (key path ``[]``: the part itself is one), and member ``i`` of the stack
+at ``P`` is the nested tensordict at the synthetic path ``(*P, "#i")``, its
+leaves, non-tensors and branches below it as anywhere else. Such a layout
+always lists, in ``"s"``, the stack itself (batch size ``B``, unless it is the
+part) and every member (batch size ``B`` without dim ``stack_dim``). The
+decoder builds the members bottom up and ``LazyStackedTensorDict``-stacks
+them at ``stack_dim``, so a lazy stack comes back lazy, with its stack_dim
+and each member's keys, shapes, dtypes, values and non-tensors, lazy stacks
+inside lazy stacks and members without keys included (a stack of zero members
+cannot be built by tensordict, and is refused on encode). A ``"z"`` entry is
+refused unless: ``0 < count <= MAX_LEAVES``, ``0 <= stack_dim < len(B)`` and
+``B[stack_dim] == count``; the counts add up to at most the number of
+branches; every member ``#0``..``#count-1`` is listed in ``"s"`` with its batch
+size; and nothing but those members lies directly under the stack (so no key of
+the caller's can pose as a member). These are checked on the layout's few
+entries, before any name or tensor is made. A layout without lazy stacks has
+no ``"z"`` and encodes to exactly the bytes it did before ``"z"`` existed;
+:data:`PROTOCOL_VERSION` was not bumped for it: a peer without ``"z"`` refuses
+such a layout cleanly (a :class:`~zmqpool.errors.ProtocolError` answered as a
+malformed message), and could not have encoded a heterogeneous lazy stack
+anyway, while every other message reads as before.
+
+Tensorclasses. A tensorclass (``@tensorclass``: a dataclass around a
+tensordict, like torchrl's ``EnvWithTensorClass`` observation) travels as the
+tensordict it wraps plus its class's *name*, never as code: ``"c"`` lists
+``[key path, "module:qualname"]`` per tensorclass (key path ``[]``: the part
+itself is one), each of which is also listed in ``"s"`` (its batch size), and
+its fields are the keys under it as anywhere else (``str`` fields are
+non-tensors; a field set to ``None`` is not sent and comes back ``None``). The
+decoder looks a name up, never imports it: the module must already be in
+``sys.modules`` (importing a module a peer names would run its code), the
+qualname is followed through the ``__dict__`` of its module and classes only
+(no ``getattr``, so no module ``__getattr__`` runs), and what it finds must be a
+tensorclass type (:func:`tensordict.is_tensorclass`, not a non-tensor one)
+whose fields include every key sent under it; it is then rebuilt with
+``cls._from_tensordict``, bottom up, so tensorclasses inside tensorclasses,
+inside lazy stacks (or wrapping one) and stacked into a batch by
+:func:`stack_parts` come back as instances. A name that is malformed (not
+``module:qualname`` of identifiers, over :data:`MAX_CLASS_NAME` characters) or
+names something else (``os:system``, ``builtins:dict``) is refused with a
+:class:`~zmqpool.errors.ProtocolError` when the layout is announced, before
+anything is built; a class that is merely not loaded here (its module not
+imported, no such attribute, defined inside a function) is not an error: its
+values arrive as plain TensorDicts, with one
+:class:`TensorclassNotLoadedWarning` per class naming the module to import. A
+``"c"`` entry is refused unless its key is the part or one of the layout's
+branches, and appears once. A layout without tensorclasses has no ``"c"`` and
+encodes to the bytes it did before; as for ``"z"``, :data:`PROTOCOL_VERSION`
+was not bumped: no older peer can misread a layout with ``"c"``, it refuses it
+cleanly (a ``ProtocolError``, answered as a malformed message). Only tensorclass
+values change: from a newer peer to an older one they used to arrive as plain
+nested tensordicts, and are now refused (upgrade both sides).
 
 Limits. A layout is refused when it breaks the tree a tensordict can be
 (a key twice, a key both a leaf and a branch, a leaf whose shape does not start
@@ -53,16 +110,27 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import math
+import sys
+import threading
+import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_tensorclass,
+)
 
 from zmqpool.errors import ProtocolError, VersionMismatchError
 
@@ -98,6 +166,8 @@ MAX_LEAF_BYTES = 1 << 32
 MAX_FRAME_BYTES = 1 << 32
 MAX_PARTS = 4
 MAX_LAYOUT_ID = 1 << 31
+#: The longest name a tensorclass may travel as (``"module:qualname"``).
+MAX_CLASS_NAME = 512
 
 _ALIGN = 16
 
@@ -170,6 +240,181 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _DTYPE_NAMES[dtype]
     except KeyError:
         raise ProtocolError(f"dtype {dtype} cannot cross the wire") from None
+
+
+# ---------------------------------------------------------------- tensorclass names
+
+
+class TensorclassNotLoadedWarning(UserWarning):
+    """A peer sent a tensorclass whose class this process has not loaded.
+
+    Its values arrive as plain TensorDicts (its specs with ``data_cls=None``);
+    importing the module the warning names, before the pool receives them,
+    makes them instances again. Warned once per class.
+    """
+
+
+@functools.lru_cache(maxsize=1024)
+def tensorclass_name(cls: type) -> str:
+    """The name tensorclass ``cls`` travels as: ``"module:qualname"``.
+
+    Raises:
+        ProtocolError: ``cls`` is not a tensorclass, or its name is not one a
+            peer would accept (:func:`parse_class_name`).
+    """
+    if not isinstance(cls, type) or not is_tensorclass(cls) or _is_non_tensor_class(cls):
+        raise ProtocolError(f"{cls!r} is not a tensorclass; it cannot cross the wire")
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    parse_class_name(name)
+    return name
+
+
+def parse_class_name(name: Any) -> tuple[str, tuple[str, ...]]:
+    """A tensorclass's wire name split into its module and qualname parts.
+
+    Raises:
+        ProtocolError: ``name`` is not ``"module:qualname"`` (at most
+            :data:`MAX_CLASS_NAME` characters, a dotted module of identifiers, a
+            dotted qualname of identifiers and ``<locals>``), so cannot name a class.
+    """
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_CLASS_NAME:
+        raise ProtocolError(
+            f"a tensorclass name is a 'module:qualname' string of at most {MAX_CLASS_NAME} "
+            f"characters, not {_clipped(name)}"
+        )
+    module, _, qualname = name.partition(":")
+    parts = tuple(qualname.split("."))
+    if not (
+        all(part.isidentifier() for part in module.split("."))
+        and parts[0].isidentifier()
+        and parts[-1].isidentifier()
+        and all(part.isidentifier() or part == "<locals>" for part in parts)
+    ):
+        raise ProtocolError(f"{_clipped(name)} is not a 'module:qualname' tensorclass name")
+    return module, parts
+
+
+def resolve_tensorclass(name: Any) -> type | None:
+    """The tensorclass called ``name``, looked up among the modules already loaded.
+
+    Nothing is imported (a module named by a peer would run its code) and no
+    attribute is read with ``getattr``: the qualname is followed through the
+    ``__dict__`` of the module in :data:`sys.modules` and of the classes on
+    its path, so no module ``__getattr__``, property or lazy loader runs.
+
+    Returns:
+        The class; or None, with a :class:`TensorclassNotLoadedWarning` (once per
+        name), when it is not loaded here: its module is not imported, has no
+        such attribute, or defines it inside a function.
+
+    Raises:
+        ProtocolError: ``name`` is malformed (:func:`parse_class_name`), or names
+            something that is not a tensorclass type (``os:system``,
+            ``builtins:dict``, ``tensordict:NonTensorData``).
+    """
+    module_name, parts = parse_class_name(name)
+    module = sys.modules.get(module_name)
+    if module is None or not issubclass(type(module), types.ModuleType):
+        _not_loaded(
+            name,
+            f"module {module_name} is not imported",
+            f"import {module_name} in this process before the pool receives them",
+        )
+        return None
+    found: Any = module
+    namespace: Mapping[str, Any] | None = _MODULE_DICT.__get__(module)
+    for depth, part in enumerate(parts):
+        if part == "<locals>":
+            _not_loaded(
+                name,
+                "it is defined inside a function, where no name reaches it",
+                f"define it at the top level of {module_name}, and import that here",
+            )
+            return None
+        if namespace is None:
+            raise ProtocolError(
+                f"tensorclass name {name} is refused: {'.'.join(parts[:depth])} is a "
+                f"{type(found).__name__}, not a class"
+            )
+        found = namespace.get(part, _MISSING)
+        if found is _MISSING:
+            where = ".".join(parts[: depth + 1])
+            _not_loaded(
+                name,
+                f"module {module_name} is imported but has no {where}",
+                f"import the {module_name} that defines it (the peer's version of it)",
+            )
+            return None
+        namespace = _TYPE_DICT.__get__(found, type(found)) if _is_type(found) else None
+    if not _declares_tensorclass(found) or not is_tensorclass(found):
+        raise ProtocolError(
+            f"tensorclass name {name} is refused: it names a {type(found).__name__}, "
+            "not a tensorclass"
+        )
+    return found
+
+
+# The descriptors themselves: reading through them runs no class's or metaclass's code.
+_MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
+_TYPE_DICT: Any = vars(type)["__dict__"]
+_TYPE_MRO: Any = vars(type)["__mro__"]
+_FLAGS = ("_is_tensorclass", "_is_non_tensor")
+_MISSING = object()
+#: Names warned about already (bounded: past it, a peer's new names are not warned about).
+_WARNED: set[str] = set()
+_MAX_WARNED = 256
+_WARNED_LOCK = threading.Lock()
+
+
+def _is_non_tensor_class(cls: type) -> bool:
+    # NonTensorData is a tensorclass, but the wire carries non-tensors as plain data.
+    return bool(getattr(cls, "_is_non_tensor", False))
+
+
+def _declares_tensorclass(found: Any) -> bool:
+    """Whether ``found`` is a tensorclass type (not a non-tensor one), read from class dicts.
+
+    The flags ``@tensorclass`` sets are looked for in the ``__dict__`` of each
+    class of the MRO, so no metaclass ``__getattr__`` or descriptor runs; only
+    then does :func:`tensordict.is_tensorclass` confirm (finding it there).
+    """
+    if not _is_type(found):
+        return False
+    flags: dict[str, Any] = {}
+    for klass in reversed(_TYPE_MRO.__get__(found, type(found))):
+        namespace = _TYPE_DICT.__get__(klass, type(klass))
+        flags.update({key: namespace[key] for key in _FLAGS if key in namespace})
+    return flags.get("_is_tensorclass") is True and not flags.get("_is_non_tensor", False)
+
+
+def _is_type(found: Any) -> bool:
+    # Not isinstance(found, type): for an object that is not, it reads found.__class__,
+    # which that object's class may compute.
+    return issubclass(type(found), type)
+
+
+def tensorclass_fields(cls: type) -> frozenset[str]:
+    """The field names of tensorclass ``cls``: what may lie directly under an instance."""
+    return frozenset(cast(Any, cls).__expected_keys__)
+
+
+def _not_loaded(name: str, why: str, fix: str) -> None:
+    """Warn, once per name (and for at most ``_MAX_WARNED`` names), that ``name`` arrives plain."""
+    with _WARNED_LOCK:
+        if name in _WARNED or len(_WARNED) >= _MAX_WARNED:
+            return
+        _WARNED.add(name)
+    warnings.warn(
+        f"tensorclass {name} is not loaded in this process ({why}): its values arrive as "
+        f"plain TensorDicts, and its specs with data_cls=None. To get instances of it, {fix}.",
+        TensorclassNotLoadedWarning,
+        stacklevel=3,
+    )
+
+
+def _clipped(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- headers
@@ -253,6 +498,10 @@ def _is_int(value: Any) -> bool:
 
 Key = tuple[str, ...]
 Branch = tuple[Key, tuple[int, ...]]
+#: A lazy stack: its key path (``()``: the part itself), stack_dim, member count.
+LazyNode = tuple[Key, int, int]
+#: A tensorclass: its key path (``()``: the part itself) and wire name, ``"module:qualname"``.
+ClassNode = tuple[Key, str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -275,7 +524,11 @@ class Layout:
     ``branches`` are the nested tensordicts with a batch size of their own (or
     no keys), deepest first; ``stacked`` says, per non-tensor key, whether it
     holds a ``NonTensorStack``; ``nontensor_batches`` is the batch size of the
-    tensordict each non-tensor key lives in (derived, not sent).
+    tensordict each non-tensor key lives in (derived, not sent); ``lazy`` the
+    lazy stacks, whose members are the branches ``(*key, "#i")``; ``classes``
+    the tensorclasses, each the part or a branch, and ``class_types`` their
+    classes (derived, not sent: on a decoder's layouts, None where the class is
+    not loaded, and the value then comes back a plain TensorDict).
     """
 
     batch_size: tuple[int, ...]
@@ -286,6 +539,9 @@ class Layout:
     branches: tuple[Branch, ...] = ()
     stacked: tuple[bool, ...] = ()
     nontensor_batches: tuple[tuple[int, ...], ...] = ()
+    lazy: tuple[LazyNode, ...] = ()
+    classes: tuple[ClassNode, ...] = ()
+    class_types: tuple[type | None, ...] = ()
 
     @property
     def num_frames(self) -> int:
@@ -298,6 +554,8 @@ class Layout:
             self.nontensor_keys,
             self.stacked,
             self.branches,
+            self.lazy,
+            self.classes,
         )
 
     def to_data(self) -> dict[str, Any]:
@@ -313,13 +571,17 @@ class Layout:
             data["s"] = [[list(key), list(batch)] for key, batch in self.branches]
         if any(self.stacked):
             data["k"] = [i for i, stacked in enumerate(self.stacked) if stacked]
+        if self.lazy:
+            data["z"] = [[list(key), dim, count] for key, dim, count in self.lazy]
+        if self.classes:
+            data["c"] = [[list(key), name] for key, name in self.classes]
         return data
 
     @classmethod
     def from_data(cls, data: Any) -> Layout:
         """Rebuild and validate a layout received from a peer."""
         if not isinstance(data, dict) or not _LAYOUT_KEYS <= set(data) <= _LAYOUT_ALL_KEYS:
-            raise ProtocolError("a layout is a map with keys b, t, n (and optionally s, k)")
+            raise ProtocolError("a layout is a map with keys b, t, n (and optionally s, k, z, c)")
         batch_size = _shape(data["b"], "layout batch size")
         if not isinstance(data["t"], list) or len(data["t"]) > MAX_LEAVES:
             raise ProtocolError(f"a layout has a list of at most {MAX_LEAVES} leaves")
@@ -329,11 +591,15 @@ class Layout:
         nontensor = tuple(_key(item) for item in data["n"])
         branches = _branches(data.get("s", []))
         stacked = _stacked(data.get("k", []), len(nontensor))
-        return build_layout(batch_size, specs, nontensor, branches, stacked)
+        lazy = _lazy_nodes(data.get("z", []))
+        classes = _class_nodes(data["c"]) if "c" in data else ()
+        layout = build_layout(batch_size, specs, nontensor, branches, stacked, lazy, classes)
+        # Looked up only once the layout is known to be a tree: a refused one warns of nothing.
+        return _with_class_types(layout) if classes else layout
 
 
 _LAYOUT_KEYS = frozenset("btn")
-_LAYOUT_ALL_KEYS = frozenset("btnsk")
+_LAYOUT_ALL_KEYS = frozenset("btnskzc")
 
 
 def _shape(value: Any, what: str) -> tuple[int, ...]:
@@ -382,21 +648,116 @@ def _stacked(value: Any, count: int) -> list[bool]:
     return stacked
 
 
+def _lazy_nodes(value: Any) -> list[LazyNode]:
+    if not isinstance(value, list) or len(value) > MAX_LEAVES:
+        raise ProtocolError("a layout's lazy stacks must be a short list")
+    nodes = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError("a lazy stack is [key path, stack_dim, member count]")
+        key, dim, count = item
+        if not _is_int(dim) or not 0 <= dim < MAX_DIMS:
+            raise ProtocolError(f"a lazy stack's stack_dim must be in [0, {MAX_DIMS})")
+        if not _is_int(count) or not 0 < count <= MAX_LEAVES:
+            raise ProtocolError(f"a lazy stack has 1 to {MAX_LEAVES} members")
+        nodes.append((() if key == [] else _key(key), dim, count))
+    return nodes
+
+
+def _class_nodes(value: Any) -> list[ClassNode]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_LEAVES:
+        raise ProtocolError(f"a layout's tensorclasses are a list of 1 to {MAX_LEAVES} entries")
+    nodes = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ProtocolError("a tensorclass is [key path, 'module:qualname']")
+        key, name = item
+        parse_class_name(name)
+        nodes.append((() if key == [] else _key(key), name))
+    return nodes
+
+
+def _with_class_types(layout: Layout) -> Layout:
+    """``layout`` with its tensorclasses looked up (:func:`resolve_tensorclass`) and checked.
+
+    A class found must have a field for every key the layout puts under it:
+    ``_from_tensordict`` would refuse any other, but only when the part is built.
+    """
+    found: dict[str, type | None] = {}
+    for _, name in layout.classes:
+        if name not in found:
+            found[name] = resolve_tensorclass(name)
+    found_types = tuple(found[name] for _, name in layout.classes)
+    children = _children(layout)
+    stacks = {key: count for key, _, count in layout.lazy}
+    for (key, name), cls in zip(layout.classes, found_types, strict=True):
+        if cls is None:
+            continue
+        extra = sorted(_fields_under(key, children, stacks) - tensorclass_fields(cls))
+        if extra:
+            raise ProtocolError(
+                f"tensorclass {name} at {'/'.join(key) or 'the part'} has no field "
+                f"{', '.join(extra[:8])}: this process's class is not the peer's"
+            )
+    return dataclasses.replace(layout, class_types=found_types)
+
+
+def _children(layout: Layout) -> dict[Key, set[str]]:
+    """The names directly under each key path of ``layout``: one pass over its paths."""
+    children: dict[Key, set[str]] = {}
+    paths = [leaf.key for leaf in layout.leaves] + [*layout.nontensor_keys]
+    for path in paths + [key for key, _ in layout.branches]:
+        for depth in range(len(path)):  # at most MAX_KEY_DEPTH each
+            children.setdefault(path[:depth], set()).add(path[depth])
+    return children
+
+
+def _fields_under(
+    key: Key, children: Mapping[Key, set[str]], stacks: Mapping[Key, int]
+) -> set[str]:
+    """The names directly under ``key``; under a lazy stack, under any of its members.
+
+    A member is visited once per tensorclass above it, and members are distinct
+    branches (checked): the work is bounded by the layout's size.
+    """
+    count = stacks.get(key)
+    if count is None:
+        return children.get(key, set())
+    members = (_fields_under((*key, _member_name(i)), children, stacks) for i in range(count))
+    return set().union(*members)
+
+
 def build_layout(
     batch_size: Sequence[int],
     leaf_specs: Iterable[tuple[Key, torch.dtype, tuple[int, ...], bool]],
     nontensor_keys: tuple[Key, ...] = (),
     branches: Sequence[Branch] = (),
     stacked: Sequence[bool] | None = None,
+    lazy: Sequence[LazyNode] = (),
+    classes: Sequence[ClassNode] = (),
+    class_types: Sequence[type | None] = (),
 ) -> Layout:
     """Assign frames and offsets (packed leaves first, in frame 0 if any, then one frame
-    each) and check that the keys, shapes and batch sizes make a tensordict."""
+    each) and check that the keys, shapes and batch sizes make a tensordict.
+
+    ``classes`` are the tensorclasses (key, wire name), ``class_types`` their
+    classes where known (an encoder's); a decoder's are looked up afterwards.
+    """
     leaves, packed_nbytes, frame_sizes = _place(leaf_specs)
+    for leaf in leaves:  # refused here, before a request that could never be sent is opened
+        if leaf.dtype not in _DTYPE_NAMES:
+            raise ProtocolError(
+                f"entry {'/'.join(leaf.key)} has dtype {leaf.dtype}, which cannot cross the wire"
+            )
     stacked = tuple(stacked) if stacked is not None else (False,) * len(nontensor_keys)
     deepest_first = tuple(sorted(branches, key=lambda branch: -len(branch[0])))
+    lazy = tuple(lazy)
     nontensor_batches = _check_tree(
-        tuple(batch_size), leaves, nontensor_keys, deepest_first, stacked
+        tuple(batch_size), leaves, nontensor_keys, deepest_first, stacked, lazy
     )
+    classes = tuple(classes)
+    if classes:
+        _check_classes(classes, deepest_first)
     return Layout(
         tuple(batch_size),
         leaves,
@@ -406,7 +767,23 @@ def build_layout(
         deepest_first,
         stacked,
         nontensor_batches,
+        lazy,
+        classes,
+        tuple(class_types) if class_types else (None,) * len(classes),
     )
+
+
+def _check_classes(classes: tuple[ClassNode, ...], branches: tuple[Branch, ...]) -> None:
+    """Each tensorclass is the part or a branch (whose batch size is then known), once."""
+    keys = [key for key, _ in classes]
+    if len(set(keys)) != len(keys):
+        raise ProtocolError("a tensorclass appears twice at one key")
+    owners = {key for key, _ in branches}
+    for key in keys:
+        if key and key not in owners:
+            raise ProtocolError(
+                f"tensorclass at {'/'.join(key)} is not a nested tensordict of the layout"
+            )
 
 
 def _place(
@@ -445,14 +822,19 @@ def _check_tree(
     nontensor_keys: tuple[Key, ...],
     branches: tuple[Branch, ...],
     stacked: tuple[bool, ...],
+    lazy: tuple[LazyNode, ...] = (),
 ) -> tuple[tuple[int, ...], ...]:
     """Refuse what no tensordict can be; the batch size each non-tensor key lives in."""
     owners = dict(branches)
     if len(owners) != len(branches) or len(stacked) != len(nontensor_keys):
         raise ProtocolError("a nested tensordict appears twice, or stack flags do not match")
-    _check_prefix_free(sorted([leaf.key for leaf in leaves] + [*nontensor_keys, *owners]), owners)
+    paths = sorted([leaf.key for leaf in leaves] + [*nontensor_keys, *owners])
+    _check_prefix_free(paths, owners)
+    # A lazy stack's members have its batch size without stack_dim, not a longer one.
+    members = _check_lazy(batch_size, owners, lazy, paths) if lazy else _NO_MEMBERS
     for key, batch in branches:
-        _check_starts_with(batch, _batch_of(key, owners, batch_size), key, "batch size")
+        if key not in members:
+            _check_starts_with(batch, _batch_of(key, owners, batch_size), key, "batch size")
     for leaf in leaves:
         _check_starts_with(leaf.shape, _batch_of(leaf.key, owners, batch_size), leaf.key, "shape")
     batches = tuple(_batch_of(key, owners, batch_size) for key in nontensor_keys)
@@ -460,6 +842,60 @@ def _check_tree(
         if is_stack and (not batch or 0 in batch):
             raise ProtocolError(f"non-tensor stack {'/'.join(key)} needs a non-empty batch")
     return batches
+
+
+_NO_MEMBERS: frozenset[Key] = frozenset()
+
+
+def _check_lazy(
+    batch_size: tuple[int, ...],
+    owners: Mapping[Key, tuple[int, ...]],
+    lazy: tuple[LazyNode, ...],
+    paths: list[Key],
+) -> frozenset[Key]:
+    """Refuse lazy stacks that are not ``count`` members of one batch size; their members."""
+    nodes = {key: (dim, count) for key, dim, count in lazy}
+    if len(nodes) != len(lazy):
+        raise ProtocolError("a lazy stack appears twice")
+    # Every member is a distinct branch: this bounds the loops below by the layout's size.
+    if sum(count for _, _, count in lazy) > len(owners):
+        raise ProtocolError("lazy stacks claim more members than the layout has branches")
+    members = set()
+    for key, (dim, count) in nodes.items():
+        name = "/".join(key) or "the part"
+        batch = owners.get(key) if key else batch_size
+        if batch is None:
+            raise ProtocolError(f"lazy stack {name} is not a nested tensordict of the layout")
+        if dim >= len(batch) or batch[dim] != count:
+            raise ProtocolError(
+                f"lazy stack {name} of batch size {list(batch)} cannot stack {count} members "
+                f"at dim {dim}"
+            )
+        member_batch = batch[:dim] + batch[dim + 1 :]
+        for i in range(count):
+            member = (*key, _member_name(i))
+            if owners.get(member) != member_batch:
+                raise ProtocolError(
+                    f"member {i} of lazy stack {name} must be a nested tensordict of batch size "
+                    f"{list(member_batch)}"
+                )
+            members.add(member)
+    depths = sorted({len(key) for key in nodes})
+    for path in paths:
+        for depth in depths:
+            if depth >= len(path):
+                break
+            if path[:depth] in nodes and path[: depth + 1] not in members:
+                stack = "/".join(path[:depth]) or "the part"
+                raise ProtocolError(
+                    f"key {'/'.join(path)} lies in lazy stack {stack} but in none of its members"
+                )
+    return frozenset(members)
+
+
+def _member_name(index: int) -> str:
+    """The synthetic key of a lazy stack's member ``index``."""
+    return f"#{index}"
 
 
 def _check_prefix_free(paths: list[Key], branches: Mapping[Key, Any]) -> None:
@@ -501,8 +937,27 @@ def layout_of(td: TensorDictBase) -> Layout:
     flat = _flatten(td)
     specs = [(key, t.dtype, tuple(t.shape), False) for key, t in flat.tensors]
     return build_layout(
-        tuple(td.batch_size), specs, tuple(flat.nontensor_keys), flat.branches, flat.stacked
+        tuple(td.batch_size),
+        specs,
+        tuple(flat.nontensor_keys),
+        flat.branches,
+        flat.stacked,
+        flat.lazy,
+        *_named(flat.classes),
     )
+
+
+def _named(classes: Sequence[tuple[Key, type]]) -> tuple[list[ClassNode], list[type | None]]:
+    """A tensordict's tensorclasses as a layout's nodes (key, wire name) and their classes."""
+    nodes = [(key, _class_name_at(key, cls)) for key, cls in classes]
+    return nodes, [cls for _, cls in classes]
+
+
+def _class_name_at(key: Key, cls: type) -> str:
+    try:
+        return tensorclass_name(cls)
+    except ProtocolError as err:
+        raise ProtocolError(f"entry {'/'.join(key) or '(the root)'}: {err}") from None
 
 
 def max_message_bytes(layouts: Iterable[Layout], headroom: float = 2.0) -> int:
@@ -568,13 +1023,17 @@ class Encoder:
         if isinstance(td, DecodedPart):
             return self._encode_part(td)
         flat = _flatten(td)
-        signature = (
+        signature: tuple = (
             tuple(td.batch_size),
             tuple((key, t.dtype, tuple(t.shape)) for key, t in flat.tensors),
             tuple(flat.nontensor_keys),
             tuple(flat.stacked),
             tuple(flat.branches),
         )
+        if flat.lazy:  # a longer signature: never equal to one without lazy stacks
+            signature += (tuple(flat.lazy),)
+        if flat.classes:  # tagged: never equal to a lazy stack's
+            signature += (("c", tuple(flat.classes)),)
         layout_id, layout = self._layout_for(signature, flat, td.batch_size)
         frames = _pack(layout, [t for _, t in flat.tensors])
         values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
@@ -608,7 +1067,13 @@ class Encoder:
             for key, t in flat.tensors
         ]
         layout = build_layout(
-            tuple(batch_size), specs, tuple(flat.nontensor_keys), flat.branches, flat.stacked
+            tuple(batch_size),
+            specs,
+            tuple(flat.nontensor_keys),
+            flat.branches,
+            flat.stacked,
+            flat.lazy,
+            *_named(flat.classes),
         )
         known = (len(self._ids), layout)
         self._ids[signature] = known
@@ -624,11 +1089,18 @@ class _Flat:
     nontensor: list[Any] = dataclasses.field(default_factory=list)
     stacked: list[bool] = dataclasses.field(default_factory=list)
     branches: list[Branch] = dataclasses.field(default_factory=list)
+    lazy: list[LazyNode] = dataclasses.field(default_factory=list)
+    classes: list[tuple[Key, type]] = dataclasses.field(default_factory=list)
 
 
 def _flatten(td: TensorDictBase) -> _Flat:
     flat = _Flat()
-    _walk(td, (), tuple(td.batch_size), flat)
+    if not isinstance(td, TensorDictBase):  # a tensorclass part
+        td = _unwrap(td, (), flat)
+    if isinstance(td, LazyStackedTensorDict) and not isinstance(td, NonTensorStack):
+        _walk_lazy(td, (), flat)
+    else:
+        _walk(td, (), tuple(td.batch_size), flat)
     return flat
 
 
@@ -641,11 +1113,109 @@ def _walk(td: TensorDictBase, prefix: Key, batch: tuple[int, ...], flat: _Flat) 
             flat.nontensor_keys.append(key)
             flat.nontensor.append(value)
             flat.stacked.append(isinstance(value, NonTensorStack))
-        else:  # a nested tensordict
+        elif isinstance(value, LazyStackedTensorDict):  # not a NonTensorStack: handled above
+            flat.branches.append((key, tuple(value.batch_size)))
+            _walk_lazy(value, key, flat)
+        elif isinstance(value, TensorDictBase):  # a nested tensordict
             sub = tuple(value.batch_size)
             if sub != batch or not value.keys():
                 flat.branches.append((key, sub))
             _walk(value, key, sub, flat)
+        else:  # a tensorclass: always a branch, so that the layout can name it
+            inner = _unwrap(value, key, flat)
+            flat.branches.append((key, tuple(inner.batch_size)))
+            if _is_lazy(inner):
+                _walk_lazy(inner, key, flat)
+            else:
+                _walk(inner, key, tuple(inner.batch_size), flat)
+
+
+def _unwrap(value: Any, key: Key, flat: _Flat) -> TensorDictBase:
+    """The tensordict a tensorclass at ``key`` wraps, its class noted in ``flat``.
+
+    A field a tensorclass holds outside its tensordict (tensordict keeps only
+    ``None`` there for a user's class) travels as a non-tensor under ``key``.
+    """
+    cls = type(value)
+    if not is_tensorclass(cls) or _is_non_tensor_class(cls):
+        raise ProtocolError(
+            f"entry {'/'.join(key) or '(the root)'} is a {cls.__name__}, which cannot cross "
+            "the wire"
+        )
+    flat.classes.append((key, cls))
+    inner = value._tensordict
+    for name, data in value._non_tensordict.items():
+        if data is not None:
+            flat.nontensor_keys.append((*key, name))
+            flat.nontensor.append(NonTensorData(data=data, batch_size=inner.batch_size))
+            flat.stacked.append(False)
+    return inner
+
+
+def _is_lazy(value: Any) -> bool:
+    # A NonTensorStack is a LazyStackedTensorDict too, but it travels as plain data.
+    return isinstance(value, LazyStackedTensorDict) and not isinstance(value, NonTensorStack)
+
+
+def _walk_lazy(lazy: LazyStackedTensorDict, key: Key, flat: _Flat) -> None:
+    """A lazy stack's members, each a branch at ``(*key, "#i")``, never densified."""
+    members = lazy.tensordicts
+    if not members:
+        raise ProtocolError(f"lazy stack {'/'.join(key) or '(the root)'} has no members")
+    flat.lazy.append((key, lazy.stack_dim, len(members)))
+    for i, member in enumerate(members):
+        member_key = (*key, _member_name(i))
+        if not isinstance(member, (TensorDictBase, NonTensorData)) and is_tensorclass(member):
+            member = _unwrap(member, member_key, flat)
+        if not isinstance(member, TensorDictBase) or isinstance(
+            member, (NonTensorData, NonTensorStack)
+        ):
+            raise ProtocolError(
+                f"member {i} of lazy stack {'/'.join(key) or '(the root)'} is a "
+                f"{type(member).__name__}, not a tensordict; it cannot cross the wire"
+            )
+        sub = tuple(member.batch_size)
+        flat.branches.append((member_key, sub))
+        if _is_lazy(member):
+            _walk_lazy(member, member_key, flat)
+        else:
+            _walk(member, member_key, sub, flat)
+
+
+def leaf_state(td: TensorDictBase, skip: str = "next") -> tuple:
+    """What changes when code edits ``td`` in place: each leaf's key, identity and version.
+
+    Leaves under the top-level key ``skip`` are left out. A worker compares
+    this before and after an env's step to tell whether the env wrote into
+    its input (then the input travels back: the pool's copy would be stale).
+    """
+    flat = _flatten(td)
+    tensors = tuple((key, id(t), t._version) for key, t in flat.tensors if key[0] != skip)
+    others = tuple(
+        (key, id(v))
+        for key, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)
+        if key[0] != skip
+    )
+    return tensors, others
+
+
+def check_crossable(td: TensorDictBase) -> None:
+    """Refuse, naming the entry, a tensordict that the encoder could not put on the wire.
+
+    Its tensors must have a wire dtype and its non-tensors be plain
+    (msgpack-able) data; raises :class:`~zmqpool.errors.ProtocolError` (a
+    ``ValueError``) otherwise.
+    """
+    flat = _flatten(td)
+    for key, tensor in flat.tensors:
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ProtocolError(
+                f"entry {'/'.join(key)} has dtype {tensor.dtype}, which cannot cross the wire"
+            )
+    for key, value in zip(flat.nontensor_keys, flat.nontensor, strict=True):
+        _plain(value, key)
+    for key, cls in flat.classes:
+        _class_name_at(key, cls)
 
 
 def _plain(value: Any, path: Key) -> Any:
@@ -766,7 +1336,9 @@ class RowPacker:
     def pack(self, batch: TensorDictBase, exclude: Sequence[str] = ()) -> list[DecodedPart] | None:
         """One part per row of ``batch`` without its top-level keys ``exclude``; or None."""
         flat = _flatten(batch)
-        if flat.branches or any(key[0] not in exclude for key in flat.nontensor_keys):
+        if flat.branches or flat.classes:
+            return None
+        if any(key[0] not in exclude for key in flat.nontensor_keys):
             return None
         leaves = [(key, t) for key, t in flat.tensors if key[0] not in exclude]
         rows = batch.batch_size[0] if batch.batch_dims else 0
@@ -836,7 +1408,9 @@ class DecodedPart:
             self._tensors = _unpack(self.layout, self.buffers)
         return self._tensors
 
-    def to_tensordict(self) -> TensorDict:
+    def to_tensordict(self) -> TensorDictBase:
+        """A TensorDict (a LazyStackedTensorDict if the part is one lazy stack, an instance
+        of its tensorclass if it is one, and loaded)."""
         return tensordict_from_leaves(self.layout, self.tensors, self.nontensor)
 
 
@@ -1008,12 +1582,16 @@ def tensordict_from_leaves(
     tensors: Sequence[torch.Tensor],
     nontensor: Sequence[Any],
     lead: tuple[int, ...] = (),
-) -> TensorDict:
+) -> TensorDictBase:
     """A TensorDict with ``layout``'s keys; ``lead``: extra leading dims (a stack of parts).
 
     ``nontensor`` holds one value per non-tensor key, already shaped (a
-    ``NonTensorData``/``NonTensorStack``) when ``lead`` is given.
+    ``NonTensorData``/``NonTensorStack``) when ``lead`` is given. A layout
+    whose part is a lazy stack gives a ``LazyStackedTensorDict``, one whose
+    part is a (loaded) tensorclass an instance of it.
     """
+    if layout.lazy or layout.classes:
+        return _bottom_up(layout, tensors, nontensor, lead)
     nested: dict[str, Any] = {}
     for leaf, tensor in zip(layout.leaves, tensors, strict=True):
         _insert(nested, leaf.key, tensor)
@@ -1030,6 +1608,71 @@ def tensordict_from_leaves(
         else:
             td.set_non_tensor(key, value)
     return td
+
+
+def _bottom_up(
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    nontensor: Sequence[Any],
+    lead: tuple[int, ...],
+) -> Any:
+    """:func:`tensordict_from_leaves` for a layout with lazy stacks or tensorclasses.
+
+    Built bottom up: non-tensors go in with the leaves (set afterwards, a
+    member's key path would not resolve through its stack, nor a field's
+    through its tensorclass), and every branch is a validated TensorDict, or a
+    lazy stack of its members (built before it: deepest first), wrapped in its
+    tensorclass if it has one that is loaded.
+    """
+    nested: dict[str, Any] = {}
+    for leaf, tensor in zip(layout.leaves, tensors, strict=True):
+        _insert(nested, leaf.key, tensor)
+    for i, (key, value) in enumerate(zip(layout.nontensor_keys, nontensor, strict=True)):
+        _insert(nested, key, value if lead else _nontensor_value(layout, i, value))
+    nodes = {key: (dim, count) for key, dim, count in layout.lazy}
+    classes = {
+        key: cls
+        for (key, _), cls in zip(layout.classes, layout.class_types, strict=True)
+        if cls is not None
+    }
+    for key, batch in layout.branches:
+        parent = nested
+        for part in key[:-1]:
+            parent = parent.setdefault(part, {})
+        # In place: the branch keeps its position among its siblings.
+        children = parent.get(key[-1], {})
+        branch = _subtree(children, nodes.get(key), lead + batch, len(lead))
+        parent[key[-1]] = _as_class(classes[key], branch, key) if key in classes else branch
+    root = _subtree(nested, nodes.get(()), lead + layout.batch_size, len(lead))
+    return _as_class(classes[()], root, ()) if () in classes else root
+
+
+def _as_class(cls: Any, td: TensorDictBase, key: Key) -> Any:
+    """``td`` as an instance of tensorclass ``cls`` (checked: its keys are fields of it)."""
+    try:
+        return cls._from_tensordict(td)
+    except Exception as err:  # its __post_init__, if it has one, may refuse what it finds
+        raise ProtocolError(
+            f"tensorclass {tensorclass_name(cls)} at {'/'.join(key) or 'the part'} refused "
+            f"what was sent: {type(err).__name__}: {_clipped(str(err), 300)}"
+        ) from err
+
+
+def _nontensor_value(layout: Layout, index: int, value: Any) -> TensorDictBase:
+    batch = layout.nontensor_batches[index]
+    if layout.stacked[index]:
+        return _nontensor_stack(value, len(batch))
+    return NonTensorData(data=value, batch_size=batch)
+
+
+def _subtree(
+    children: dict[str, Any], node: tuple[int, int] | None, batch: tuple[int, ...], shift: int
+) -> TensorDictBase:
+    if node is None:
+        return TensorDict(children, batch_size=batch)
+    dim, count = node  # the layout was checked: exactly members #0..#count-1, of one batch size
+    members = [children[_member_name(i)] for i in range(count)]
+    return LazyStackedTensorDict(*members, stack_dim=shift + dim)
 
 
 def _insert(nested: dict[str, Any], key: Key, value: Any) -> None:

@@ -1,0 +1,347 @@
+"""Helpers for tests/test_conformance.py: envs the workers can import, and a readable td diff.
+
+The differential suite runs the same calls on torchrl's own ``AsyncEnvPool``
+(the oracle) and on ``ZMQAsyncEnvPool``; what it compares lives here:
+
+- :func:`td_diff` / :func:`assert_same_td`: batch size, keys
+  (``keys(True, True)``), per-leaf shape, dtype and values, the ``env_index``
+  entry (its type, ``NonTensorData`` vs ``NonTensorStack``, and its values),
+  and, for lazy stacks, every env's own row (exclusive keys included). The
+  failure message lists every difference, one per line, oracle first.
+- :func:`assert_same_error`: the zmqpool call raises the oracle's exception
+  class (or a subclass of it).
+
+The env classes are defined at module level so that zmqpool's worker
+processes (which get the parent's ``sys.path``) and torchrl's spawned
+multiprocessing workers can import them by name: ``tests.conformance``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
+from torchrl.data import Unbounded
+from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
+
+from zmqpool.testing import CountingEnv as ZMQCountingEnv
+
+ENV_INDEX = "env_index"
+
+# ---------------------------------------------------------------- envs
+
+
+class SlowCountingEnv(TorchRLCountingEnv):
+    """torchrl's mocking ``CountingEnv`` (int8 ``Binary`` action), with a fixed step delay.
+
+    Like torchrl's own ``_DelayedCountingEnv`` in ``test/envs/test_special.py``,
+    but the delay is deterministic and only on ``_step`` (resets between tests
+    stay instant). With ``step_delay=0`` it *is* torchrl's ``CountingEnv``,
+    defined here so that pools built from it prove that workers can import
+    ``tests.conformance``.
+    """
+
+    def __init__(self, *args, step_delay: float = 0.0, **kwargs) -> None:
+        self.step_delay = step_delay
+        super().__init__(*args, **kwargs)
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self.step_delay:
+            threading.Event().wait(self.step_delay)
+        return super()._step(tensordict)
+
+
+class ExtraKeyEnv(ZMQCountingEnv):
+    """Not ``zmqpool.testing.CountingEnv``: another observation shape, and a key more.
+
+    In one pool with a plain ``CountingEnv`` it makes a heterogeneous lazy
+    stack: ``observation`` differs in shape and ``extra`` exists for this env
+    only (an exclusive key).
+    """
+
+    def __init__(self, env_id: int = 0, **kwargs) -> None:
+        kwargs.setdefault("obs_shape", (6,))
+        super().__init__(env_id=env_id, **kwargs)
+        self.observation_spec["extra"] = Unbounded(shape=(2,), dtype=torch.float32)
+
+    def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
+        out = super()._reset(tensordict, **kwargs)
+        out["extra"] = torch.full((2,), 10.0 * self.env_id)
+        return out
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = super()._step(tensordict)
+        out["extra"] = torch.full((2,), 10.0 * self.env_id + self.count)
+        return out
+
+
+def counting_makers(n: int, max_steps: int = 4, **kwargs) -> list[Callable]:
+    """``n`` torchrl CountingEnvs; env ``i`` starts at ``i``, so it is done ``i`` steps earlier."""
+    return [
+        functools.partial(SlowCountingEnv, max_steps=max_steps, start_val=i, **kwargs)
+        for i in range(n)
+    ]
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def env_index_kind(td: TensorDictBase) -> str | None:
+    """The type of ``td``'s ``env_index`` entry, by name (None: absent)."""
+    if ENV_INDEX not in td.keys():  # noqa: SIM118 (a lazy stack's `in` differs)
+        return None
+    return type(td.get(ENV_INDEX)).__name__
+
+
+def env_index_values(td: TensorDictBase) -> Any:
+    """``env_index`` as plain Python (an int, or nested lists matching the batch dims)."""
+    return _plain(td.get(ENV_INDEX))
+
+
+def expected_env_index(batch_size: torch.Size) -> Any:
+    """The ``env_index`` a user expects in a result of ``batch_size``: ``i`` at ``[i, ...]``."""
+    n, rest = batch_size[0], batch_size[1:]
+    return torch.arange(n).reshape(n, *[1] * len(rest)).expand(batch_size).tolist()
+
+
+def _leaf_diff(path: str, expected: Any, actual: Any, values: bool) -> list[str]:
+    if isinstance(expected, torch.Tensor) != isinstance(actual, torch.Tensor):
+        return [f"{path}: type {type(expected).__name__} != {type(actual).__name__}"]
+    if not isinstance(expected, torch.Tensor):
+        if type(expected) is not type(actual):
+            return [f"{path}: type {type(expected).__name__} != {type(actual).__name__}"]
+        if values and _plain(expected) != _plain(actual):
+            return [f"{path}: value {_plain(expected)!r} != {_plain(actual)!r}"]
+        return []
+    out = []
+    if expected.shape != actual.shape:
+        out.append(f"{path}: shape {tuple(expected.shape)} != {tuple(actual.shape)}")
+    if expected.dtype != actual.dtype:
+        out.append(f"{path}: dtype {expected.dtype} != {actual.dtype}")
+    if values and not out and not torch.equal(expected, actual):
+        wrong = (expected != actual).nonzero()
+        first = tuple(wrong[0].tolist()) if len(wrong) else ()
+        out.append(
+            f"{path}: values differ at {len(wrong)} positions, first {first}: "
+            f"{expected[first].tolist()} != {actual[first].tolist()}\n"
+            f"      expected {_short(expected)}\n      actual   {_short(actual)}"
+        )
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, NonTensorData):
+        return value.tolist() if value.batch_dims else value.data
+    if isinstance(value, NonTensorStack):
+        return value.tolist()
+    return value
+
+
+def _short(tensor: torch.Tensor) -> str:
+    flat = tensor.reshape(-1).tolist()
+    return str(flat[:12]) + (" ..." if len(flat) > 12 else "")
+
+
+def _key_name(key: Any) -> str:
+    return key if isinstance(key, str) else ".".join(key)
+
+
+def td_diff(
+    expected: TensorDictBase,
+    actual: TensorDictBase,
+    *,
+    values: bool = True,
+    exclude: Iterable[Any] = (),
+    check_type: bool = False,
+    path: str = "",
+) -> list[str]:
+    """Every difference between two tensordicts, one readable line each (empty: the same).
+
+    Args:
+        values: compare values exactly (the envs are deterministic), not
+            only keys, shapes and dtypes.
+        exclude: keys left out (e.g. ``"env_index"`` when the oracle is
+            ``SerialEnv``, which has none).
+        check_type: the tensordict classes must match too (``TensorDict`` vs
+            ``LazyStackedTensorDict``: required for ``stack="lazy"``).
+    """
+    exclude = set(exclude)
+    out: list[str] = []
+    where = path or "<root>"
+    if check_type and type(expected) is not type(actual):
+        out.append(f"{where}: type {type(expected).__name__} != {type(actual).__name__}")
+    if expected.batch_size != actual.batch_size:
+        out.append(
+            f"{where}: batch_size {tuple(expected.batch_size)} != {tuple(actual.batch_size)}"
+        )
+        return out  # nothing below lines up
+    if ENV_INDEX not in exclude:
+        kind_e, kind_a = env_index_kind(expected), env_index_kind(actual)
+        if kind_e != kind_a:
+            out.append(f"{where}: env_index type {kind_e} != {kind_a}")
+        elif kind_e is not None and env_index_values(expected) != env_index_values(actual):
+            out.append(
+                f"{where}: env_index {env_index_values(expected)} != {env_index_values(actual)}"
+            )
+    keys_e = _keys(expected, exclude)
+    keys_a = _keys(actual, exclude)
+    if keys_e - keys_a:
+        out.append(f"{where}: keys missing: {sorted(map(_key_name, keys_e - keys_a))}")
+    if keys_a - keys_e:
+        out.append(f"{where}: unexpected keys: {sorted(map(_key_name, keys_a - keys_e))}")
+    for key in sorted(keys_e & keys_a, key=_key_name):
+        if _is_env_index_key(key):
+            continue  # top level: compared above; nested: its presence is compared
+        got_e, err_e = _get(expected, key)
+        got_a, err_a = _get(actual, key)
+        name = f"{path}{_key_name(key)}"
+        if err_e is not None or err_a is not None:
+            if (err_e is None) != (err_a is None):
+                out.append(f"{name}: get() raised {err_e!r} vs {err_a!r}")
+            continue  # a heterogeneous leaf: compared row by row below
+        out.extend(_leaf_diff(name, got_e, got_a, values))
+    lazy = isinstance(expected, LazyStackedTensorDict) or isinstance(actual, LazyStackedTensorDict)
+    if lazy and expected.batch_dims:
+        # A lazy stack's rows may hold keys the stack does not (exclusive keys)
+        # and leaves whose shapes differ across envs: compare every env's row.
+        rows = zip(expected.unbind(0), actual.unbind(0), strict=True)
+        for i, (row_e, row_a) in enumerate(rows):
+            sub = td_diff(row_e, row_a, values=values, exclude=exclude, path=f"{path}[{i}].")
+            out.extend(sub)
+    return _unique(out)
+
+
+def _keys(td: TensorDictBase, exclude: set) -> set:
+    """``keys(True, True)`` without excluded keys (and their subtrees) and the root env_index."""
+    return {
+        k
+        for k in td.keys(True, True)
+        if k != ENV_INDEX and k not in exclude and _top(k) not in exclude
+    }
+
+
+def _is_env_index_key(key: Any) -> bool:
+    return key == ENV_INDEX or (isinstance(key, tuple) and key[-1] == ENV_INDEX)
+
+
+def _top(key: Any) -> Any:
+    return key if isinstance(key, str) else key[0]
+
+
+def _get(td: TensorDictBase, key: Any) -> tuple[Any, Exception | None]:
+    try:
+        return td.get(key), None
+    except Exception as err:  # a lazy stack of leaves that do not stack
+        return None, err
+
+
+def _unique(lines: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return [line for line in lines if not (line in seen or seen.add(line))]
+
+
+def assert_same_td(
+    expected: TensorDictBase, actual: TensorDictBase, what: str = "result", **kwargs
+) -> None:
+    """Fail with every difference between the oracle's result and zmqpool's, one per line."""
+    diff = td_diff(expected, actual, **kwargs)
+    if diff:
+        lines = "\n  ".join(diff)
+        raise AssertionError(
+            f"{what}: torchrl (expected) and zmqpool (actual) differ:\n  {lines}\n"
+            f"expected: {type(expected).__name__}{tuple(expected.batch_size)}, "
+            f"actual: {type(actual).__name__}{tuple(actual.batch_size)}"
+        )
+
+
+def assert_same_spec(expected: Any, actual: Any, what: str) -> None:
+    """Specs: same shape, same leaf keys, each leaf equal (type, shape, dtype, bounds), per env too.
+
+    A lazily stacked spec (envs that differ) lists only the keys its envs
+    share: each env's own spec (``spec[i]``) is compared as well, exclusive
+    keys included, where torchrl can index it. Fails listing every difference.
+    """
+    diff = _spec_diff(expected, actual, what)
+    if expected.shape and expected.shape == actual.shape:
+        for i in range(expected.shape[0]):
+            try:
+                item = expected[i]
+            except IndexError:  # torchrl cannot index a spec stacked along an inner dim
+                break
+            diff += _spec_diff(item, actual[i], f"{what}[{i}]")
+    if diff:
+        lines = "\n  ".join(diff)
+        raise AssertionError(f"torchrl (expected) and zmqpool (actual) specs differ:\n  {lines}")
+
+
+def _spec_diff(expected: Any, actual: Any, what: str) -> list[str]:
+    if expected.shape != actual.shape:
+        return [f"{what}: shape {tuple(expected.shape)} != {tuple(actual.shape)}"]
+    out = []
+    keys_e = set(expected.keys(True, True))
+    keys_a = set(actual.keys(True, True))
+    if keys_e != keys_a:
+        out.append(
+            f"{what}: keys missing: {sorted(map(_key_name, keys_e - keys_a))}, "
+            f"unexpected: {sorted(map(_key_name, keys_a - keys_e))}"
+        )
+    for key in sorted(keys_e & keys_a, key=_key_name):
+        leaf_e, leaf_a = expected[key], actual[key]
+        name = f"{what}[{_key_name(key)}]"
+        if type(leaf_e) is not type(leaf_a):
+            out.append(f"{name}: {type(leaf_e).__name__} != {type(leaf_a).__name__}")
+        elif leaf_e.shape != leaf_a.shape:
+            out.append(f"{name}: shape {tuple(leaf_e.shape)} != {tuple(leaf_a.shape)}")
+        elif leaf_e.dtype != leaf_a.dtype:
+            out.append(f"{name}: dtype {leaf_e.dtype} != {leaf_a.dtype}")
+        elif leaf_e != leaf_a:
+            out.append(f"{name}: {leaf_e} != {leaf_a}")
+    return out
+
+
+def raised_by(call: Callable[[], Any]) -> BaseException | None:
+    try:
+        call()
+    except Exception as err:
+        return err
+    return None
+
+
+def assert_same_error(oracle_call: Callable[[], Any], zmq_call: Callable[[], Any]) -> Exception:
+    """The oracle's call raises; zmqpool's raises the same class (or a subclass). Returns it."""
+    expected = raised_by(oracle_call)
+    assert expected is not None, "the oracle (torchrl) did not raise: the scenario is wrong"
+    with pytest.raises(type(expected)) as info:
+        zmq_call()
+    return info.value
+
+
+# ---------------------------------------------------------------- settling shared pools
+
+
+def drain(pool: Any, timeout: float = 15.0) -> None:
+    """Receive whatever a previous (maybe failed) test left in flight on the batched channels."""
+    pairs = (
+        ("_current_step", pool.async_step_recv),
+        ("_current_reset", pool.async_reset_recv),
+        ("_current_step_reset", pool.async_step_and_maybe_reset_recv),
+    )
+    for counter, recv in pairs:
+        pending = getattr(pool, counter, 0)
+        if pending > 0:
+            recv(min_get=pending, timeout=timeout)
+
+
+def elapsed(call: Callable[[], Any]) -> tuple[Any, float]:
+    """``call()``'s result and how long it took, in seconds."""
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start

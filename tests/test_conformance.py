@@ -1,0 +1,1024 @@
+"""Differential conformance: the same calls on torchrl's ``AsyncEnvPool`` and ``ZMQAsyncEnvPool``.
+
+The oracle is torchrl's own pool with ``backend="threading"`` (in-process,
+fast), built from the same env makers, ``create_env_kwargs`` and ``stack``.
+Each scenario runs the same calls on both and compares, with
+:func:`tests.conformance.assert_same_td`: batch size, keys
+(``keys(True, True)``), shapes, dtypes, values (the envs are deterministic;
+random actions are drawn after the same ``torch.manual_seed``), the
+``env_index`` entry (``NonTensorData`` vs ``NonTensorStack``, and its values)
+and the order of the results. Errors must be of torchrl's class (or a
+subclass). The tensordict class may differ for ``stack="dense"``; for
+``stack="lazy"`` it must be a ``LazyStackedTensorDict`` like torchrl's.
+
+Other oracles, each marked where used:
+
+- ``SerialEnv`` where torchrl's pool itself fails on an env that
+  ``SerialEnv`` runs (``# torchrl differs: ...``): nested keys, batched
+  children, ``HeterogeneousCountingEnv``, the ``Collector``;
+- torchrl's ``AsyncEnvPool(backend="multiprocessing", exchange="shm")`` for
+  ``stats()`` (its threading pool returns ``{}``);
+- standalone envs, each seeded with ``s + i``, for ``set_seed`` (torchrl's
+  pool raises ``NotImplementedError``).
+
+Pools are expensive (each zmqpool worker process imports torchrl): each one
+is built once, by a class-scoped fixture, shared by the tests of its class,
+and reset (after receiving anything a failed test left in flight) before each
+test. Classes run one after another, so at most one group of pools is alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
+from torchrl.collectors import Collector
+from torchrl.data import NonTensor
+from torchrl.envs import AsyncEnvPool, Compose, RewardSum, SerialEnv, StepCounter, TransformedEnv
+from torchrl.envs.utils import check_env_specs, step_mdp
+from torchrl.testing.mocking_classes import (
+    CountingEnv,
+    HeterogeneousCountingEnv,
+    NestedCountingEnv,
+)
+
+from tests.conformance import (
+    ENV_INDEX,
+    ExtraKeyEnv,
+    assert_same_error,
+    assert_same_spec,
+    assert_same_td,
+    counting_makers,
+    drain,
+    elapsed,
+    env_index_kind,
+    env_index_values,
+    expected_env_index,
+)
+from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv as ZMQCountingEnv
+
+FAST = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
+
+#: Bounds every recv that could wait (a hang fails the test instead of the run).
+RECV_TIMEOUT = 20.0
+
+#: Envs of the main pools.
+N = 3
+
+SPEC_PROPERTIES = [
+    "full_action_spec",
+    "full_observation_spec",
+    "full_done_spec",
+    "full_reward_spec",
+    "full_state_spec",
+]
+
+ACTION_DTYPES = [torch.bool, torch.float32, torch.int64, torch.float64, torch.int8]
+
+
+@dataclasses.dataclass
+class Pair:
+    """The oracle and the zmqpool pool, driven by the same calls."""
+
+    oracle: Any
+    zmq: ZMQAsyncEnvPool
+
+    @property
+    def pools(self) -> tuple[Any, ZMQAsyncEnvPool]:
+        return self.oracle, self.zmq
+
+    def both(self, call: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """``call(pool)`` on the oracle, then on zmqpool."""
+        return call(self.oracle), call(self.zmq)
+
+    def settle(self) -> Pair:
+        """Receive what a previous (maybe failed) test left in flight, then reset both."""
+        for pool in self.pools:
+            if isinstance(pool, AsyncEnvPool):
+                drain(pool, RECV_TIMEOUT)
+                assert not pool._busy, f"{type(pool).__name__}: envs {pool._busy} left busy"
+            pool.reset()
+        return self
+
+
+def serve(oracle: Any, make_zmq: Callable[[], ZMQAsyncEnvPool]):
+    """Yield a :class:`Pair`, closing both at the end (and the oracle if zmqpool fails to build)."""
+    try:
+        zmq = make_zmq()
+    except BaseException:
+        oracle.close(raise_if_closed=False)
+        raise
+    try:
+        yield Pair(oracle, zmq)
+    finally:
+        zmq.close(raise_if_closed=False)
+        oracle.close(raise_if_closed=False)
+
+
+def _raises(error: type[Exception], call: Callable, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)`` must raise ``error``."""
+    with pytest.raises(error):
+        call(*args, **kwargs)
+
+
+def with_ones(pool: Any, td: TensorDictBase) -> TensorDictBase:
+    """``td`` with every action set to the spec's ``one()`` (CountingEnvs count by it)."""
+    return td.update(pool.full_action_spec.one())
+
+
+def recv_everything(recv: Callable, count: int, min_get: int | None) -> list[Any]:
+    """Call ``recv`` until ``count`` results came back; every call's result, in order.
+
+    How many results a call returns depends on timing; what must hold is
+    that each call returns at least ``min_get`` (capped by what is left).
+    """
+    batches, left = [], count
+    while left:
+        want = None if min_get is None else min(min_get, left)
+        out = recv(min_get=want, timeout=RECV_TIMEOUT)
+        got = (out[0] if isinstance(out, tuple) else out).batch_size[0]
+        assert got >= (want or 1), f"recv(min_get={want}) returned {got} results"
+        batches.append(out)
+        left -= got
+    return batches
+
+
+def by_env(batches: list[TensorDictBase]) -> dict[int, TensorDictBase]:
+    """Each env's row of the results, by its ``env_index``; checks each call's order."""
+    rows: dict[int, TensorDictBase] = {}
+    for batch in batches:
+        idx = env_index_values(batch)
+        assert idx == sorted(idx), f"results not sorted by env index: {idx}"
+        for env, row in zip(idx, batch.unbind(0), strict=True):
+            assert env not in rows, f"env {env} delivered twice"
+            rows[env] = row
+    return rows
+
+
+def assert_same_batches(expected: list[Any], actual: list[Any], what: str) -> None:
+    """Per env, the same rows; every env exactly once (batches may split differently)."""
+    if isinstance(expected[0], tuple):
+        for part in range(len(expected[0])):
+            assert_same_batches([b[part] for b in expected], [b[part] for b in actual], what)
+        return
+    rows_e, rows_a = by_env(expected), by_env(actual)
+    assert sorted(rows_a) == sorted(rows_e), f"{what}: envs {sorted(rows_a)} != {sorted(rows_e)}"
+    for env, row in rows_e.items():
+        assert_same_td(row, rows_a[env], f"{what}, env {env}")
+
+
+# ====================================================================== main pool
+
+
+@pytest.fixture(scope="class")
+def counting():
+    """3 torchrl CountingEnvs (int8 Binary action; env i starts at i, done past 4)."""
+    yield from serve(
+        AsyncEnvPool(counting_makers(N), backend="threading"),
+        lambda: ZMQAsyncEnvPool(counting_makers(N), config=FAST),
+    )
+
+
+@pytest.fixture
+def pair(counting) -> Pair:
+    return counting.settle()
+
+
+@pytest.fixture(scope="class")
+def shm_oracle():
+    """torchrl's multiprocessing pool with the shared-memory exchange: the oracle of ``stats()``.
+
+    2 envs, importable makers (spawned workers import ``tests.conformance``).
+    """
+    pool = AsyncEnvPool(counting_makers(2), backend="multiprocessing", exchange="shm")
+    yield pool
+    pool.close(raise_if_closed=False)
+
+
+class TestCountingPool:
+    """Every public method and private hook of torchrl's pool, on torchrl's CountingEnv."""
+
+    # ------------------------------------------------------------ specs
+
+    def test_workers_import_envs_from_tests_conformance(self, pair):
+        # The envs of this pool are defined in tests/conformance.py: zmqpool's
+        # workers (and torchrl's spawned ones, for stats) import them by name.
+        assert counting_makers(1)[0].func.__module__ == "tests.conformance"
+        o, z = pair.both(lambda p: p.reset())
+        assert_same_td(o, z, "reset() of envs from tests.conformance")
+
+    def test_batch_size_and_env_batch_sizes(self, pair):
+        o, z = pair.both(lambda p: (p.batch_size, list(p.env_batch_sizes)))
+        assert z == o
+
+    @pytest.mark.parametrize("name", SPEC_PROPERTIES)
+    def test_spec_property(self, pair, name):
+        o, z = pair.both(lambda p: getattr(p, name))
+        assert_same_spec(o, z, name)
+
+    def test_action_spec_is_int8_binary(self, pair):
+        # What the dtype scenarios below rely on: torchrl's CountingEnv has an int8 action.
+        o, z = pair.both(lambda p: p.full_action_spec["action"])
+        assert o.dtype == z.dtype == torch.int8
+        assert type(o).__name__ == type(z).__name__ == "Binary"
+
+    # ------------------------------------------------------------ reset
+
+    def test_reset(self, pair):
+        o, z = pair.both(lambda p: p.reset())
+        assert_same_td(o, z, "reset()")
+        assert env_index_kind(z) == "NonTensorStack"
+
+    def test_reset_with_an_empty_tensordict(self, pair):
+        o, z = pair.both(lambda p: p.reset(TensorDict(batch_size=[N])))
+        assert_same_td(o, z, "reset(TensorDict(batch_size=[N]))")
+
+    def test_reset_with_the_previous_root(self, pair):
+        # A user resetting from where a step left: reset(step_mdp(step(td))).
+        def run(p):
+            td = p.step(with_ones(p, p.reset()))
+            return p.reset(step_mdp(td))
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "reset(previous root)")
+
+    def test_private_reset(self, pair):
+        o, z = pair.both(lambda p: p._reset(None))
+        assert_same_td(o, z, "_reset(None)")
+
+    # ------------------------------------------------------------ step
+
+    def test_step(self, pair):
+        o, z = pair.both(lambda p: p.step(with_ones(p, p.reset())))
+        assert_same_td(o, z, "step()")
+
+    @pytest.mark.parametrize("dtype", ACTION_DTYPES, ids=str)
+    def test_step_takes_actions_of_another_dtype(self, pair, dtype):
+        # torchrl hands the caller's tensor to the env as it is (CountingEnv
+        # casts it); the result's "action" keeps the caller's dtype.
+        def run(p):
+            td = p.reset()
+            td["action"] = torch.ones(N, 1, dtype=dtype)
+            return p.step(td)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, f"step() with a {dtype} action for an int8 spec")
+
+    @pytest.mark.parametrize("shape", [(N, 1), (N,)], ids=["exact", "broadcast"])
+    def test_step_takes_float_ones_of_a_broadcastable_shape(self, pair, shape):
+        # torchrl's own TestAsyncEnvPool steps with torch.ones((*r.shape, 1)), a float32.
+        def run(p):
+            td = p.reset()
+            td["action"] = torch.ones(shape)
+            return p.step(td)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, f"step() with float ones of shape {shape}")
+
+    def test_private_step(self, pair):
+        o, z = pair.both(lambda p: p._step(with_ones(p, p.reset())))
+        assert_same_td(o, z, "_step()")
+
+    def test_rand_step(self, pair):
+        def run(p):
+            td = p.reset()
+            torch.manual_seed(0)
+            return p.rand_step(td)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "rand_step()")
+
+    def test_step_and_maybe_reset_through_episode_ends(self, pair):
+        # Env i starts at i and is done past 4: over 6 steps every env ends
+        # (at different steps) and is reset by step_and_maybe_reset.
+        def run(p):
+            out, td = [], p.reset()
+            for _ in range(6):
+                result, td = p.step_and_maybe_reset(with_ones(p, td))
+                out.append((result.clone(), td.clone()))
+            return out
+
+        o, z = pair.both(run)
+        for step, ((res_o, root_o), (res_a, root_a)) in enumerate(zip(o, z, strict=True)):
+            assert_same_td(res_o, res_a, f"step_and_maybe_reset #{step}: result")
+            assert_same_td(root_o, root_a, f"step_and_maybe_reset #{step}: next root")
+
+    @pytest.mark.parametrize("break_when_any_done", [True, False])
+    def test_rollout(self, pair, break_when_any_done):
+        def run(p):
+            torch.manual_seed(1)
+            return p.rollout(10, break_when_any_done=break_when_any_done)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, f"rollout(10, break_when_any_done={break_when_any_done})")
+
+    def test_sync_step_while_an_async_step_is_in_flight_is_refused(self, pair):
+        for p in pair.pools:
+            p.async_step_send(with_ones(p, p.reset()))
+        try:
+            assert_same_error(
+                lambda: pair.oracle.step(with_ones(pair.oracle, pair.oracle.reset())),
+                lambda: pair.zmq.step(with_ones(pair.zmq, pair.zmq.reset())),
+            )
+        finally:
+            for p in pair.pools:
+                drain(p, RECV_TIMEOUT)
+
+    # ------------------------------------------------------------ async, batched channel
+
+    @pytest.mark.parametrize("min_get", [None, 1, 2, N])
+    def test_async_reset(self, pair, min_get):
+        # As torchrl's test_async_reset_and_step: env_index carried by the tensordict.
+        def run(p):
+            p.async_reset_send(TensorDict({ENV_INDEX: NonTensorStack(*range(N))}, [N]))
+            return recv_everything(p.async_reset_recv, N, min_get)
+
+        o, z = pair.both(run)
+        assert_same_batches(o, z, f"async_reset_recv(min_get={min_get})")
+
+    @pytest.mark.parametrize("min_get", [None, 1, 2, N])
+    def test_async_step(self, pair, min_get):
+        def run(p):
+            r = p.reset()
+            r.set("action", torch.ones((*r.shape, 1)))
+            p.async_step_send(r)
+            return recv_everything(p.async_step_recv, N, min_get)
+
+        o, z = pair.both(run)
+        assert_same_batches(o, z, f"async_step_recv(min_get={min_get})")
+
+    @pytest.mark.parametrize("min_get", [None, N])
+    def test_async_step_and_maybe_reset(self, pair, min_get):
+        def run(p):
+            r = p.reset()
+            r.set("action", torch.ones((*r.shape, 1)))
+            p.async_step_and_maybe_reset_send(r)
+            return recv_everything(p.async_step_and_maybe_reset_recv, N, min_get)
+
+        o, z = pair.both(run)
+        assert_same_batches(o, z, f"async_step_and_maybe_reset_recv(min_get={min_get})")
+
+    def test_async_step_to_a_subset_in_any_order(self, pair):
+        # Rows for envs [2, 0], in that order; env 2 gets action 1, env 0 gets 0.
+        def run(p):
+            r = p.reset()[[2, 0]]
+            r["action"] = torch.tensor([[1], [0]], dtype=torch.int8)
+            p.async_step_send(r, env_index=[2, 0])
+            return p.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "async_step_send(env_index=[2, 0]) then recv(min_get=2)")
+        assert env_index_values(z) == [0, 2]
+
+    def test_async_reset_of_a_subset_without_a_tensordict(self, pair):
+        def run(p):
+            p.async_reset_send(env_index=[1, 2])
+            return p.async_reset_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "async_reset_send(env_index=[1, 2])")
+
+    def test_max_get_leaves_the_rest_for_the_next_call(self, pair):
+        def run(p):
+            p.async_reset_send(env_index=list(range(N)))
+            first = p.async_reset_recv(min_get=1, max_get=1, timeout=RECV_TIMEOUT)
+            rest = p.async_reset_recv(min_get=N - 1, max_get=N - 1, timeout=RECV_TIMEOUT)
+            return [first, rest]
+
+        o, z = pair.both(run)
+        assert [b.batch_size[0] for b in z] == [b.batch_size[0] for b in o] == [1, N - 1]
+        assert_same_batches(o, z, "recv(max_get=1) then recv(max_get=N-1)")
+
+    def test_private_async_hooks(self, pair):
+        # What TransformedEnv and EnvBase.reset/step go through.
+        def run(p):
+            p._async_private_reset_send(TensorDict(batch_size=[N]), env_index=list(range(N)))
+            reset = p._async_private_reset_recv(min_get=N)
+            td = with_ones(p, reset.clone())
+            p._async_private_step_send(td)  # env_index carried by the reset's result
+            return reset, p._async_private_step_recv(min_get=N)
+
+        (reset_o, step_o), (reset_z, step_z) = pair.both(run)
+        assert_same_td(reset_o, reset_z, "_async_private_reset_send/recv")
+        assert_same_td(step_o, step_z, "_async_private_step_send/recv")
+
+    # ------------------------------------------------------------ async, per-env channel
+
+    @staticmethod
+    def _per_env_reset(p: Any, env: int) -> TensorDictBase:
+        p.async_reset_send(env_index=env)
+        return p.async_reset_recv(env_index=env, timeout=RECV_TIMEOUT)
+
+    @pytest.mark.parametrize("env", [0, 2])
+    def test_per_env_reset(self, pair, env):
+        # torchrl: the env's own batch size (() here), env_index a NonTensorData.
+        o, z = pair.both(lambda p: self._per_env_reset(p, env))
+        assert o.batch_size == torch.Size([]) and env_index_kind(o) == "NonTensorData"
+        assert_same_td(o, z, f"per-env reset of env {env}")
+
+    @pytest.mark.parametrize("env", [0, 2])
+    def test_per_env_step(self, pair, env):
+        def run(p):
+            r = self._per_env_reset(p, env)
+            r.set("action", torch.ones((*r.shape, 1)))  # as torchrl's own tests do
+            p.async_step_send(r, env_index=env)
+            return p.async_step_recv(env_index=env, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, f"per-env step of env {env}")
+
+    @pytest.mark.parametrize("env", [0, 2])
+    def test_per_env_step_and_maybe_reset(self, pair, env):
+        def run(p):
+            r = self._per_env_reset(p, env)
+            out = []
+            for _ in range(4):  # env 2 ends at its 3rd step and is reset
+                r.set("action", torch.ones((*r.shape, 1)))
+                p.async_step_and_maybe_reset_send(r, env_index=env)
+                result, r = p.async_step_and_maybe_reset_recv(env_index=env, timeout=RECV_TIMEOUT)
+                # Clones: torchrl's threading pool writes "next" into the r it is sent.
+                out.append((result.clone(), r.clone()))
+            return out
+
+        o, z = pair.both(run)
+        for step, ((res_o, root_o), (res_a, root_a)) in enumerate(zip(o, z, strict=True)):
+            assert_same_td(res_o, res_a, f"per-env step_and_maybe_reset #{step} of env {env}")
+            assert_same_td(root_o, root_a, f"per-env next root #{step} of env {env}")
+
+    # ------------------------------------------------------------ min_get / max_get errors
+
+    def test_busy_env_is_refused(self, pair):
+        for p in pair.pools:
+            p.async_step_send(with_ones(p, p.reset())[[0]], env_index=[0])
+        try:
+            # Busy is shared by the channels: a reset of a stepping env is refused too.
+            assert_same_error(
+                lambda: pair.oracle.async_reset_send(env_index=[0]),
+                lambda: pair.zmq.async_reset_send(env_index=[0]),
+            )
+        finally:
+            for p in pair.pools:
+                drain(p, RECV_TIMEOUT)
+
+    def test_min_get_above_what_is_in_flight_is_refused(self, pair):
+        for p in pair.pools:
+            p.async_reset_send(env_index=[0])
+        try:
+            assert_same_error(
+                lambda: pair.oracle.async_reset_recv(min_get=2, timeout=RECV_TIMEOUT),
+                lambda: pair.zmq.async_reset_recv(min_get=2, timeout=RECV_TIMEOUT),
+            )
+        finally:
+            for p in pair.pools:
+                drain(p, RECV_TIMEOUT)
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [{"min_get": 2, "max_get": 1}, {"min_get": 0}, {"min_get": 1, "timeout": -1.0}],
+        ids=["max_get<min_get", "min_get=0", "negative-timeout"],
+    )
+    def test_bad_recv_arguments_are_refused(self, pair, kwargs):
+        for p in pair.pools:
+            p.async_reset_send(env_index=list(range(N)))
+        try:
+            error = assert_same_error(
+                lambda: pair.oracle.async_reset_recv(**kwargs),
+                lambda: pair.zmq.async_reset_recv(**kwargs),
+            )
+            assert isinstance(error, ValueError)
+        finally:
+            for p in pair.pools:
+                drain(p, RECV_TIMEOUT)
+
+    def test_env_index_out_of_range_is_refused(self, pair):
+        try:
+            assert_same_error(
+                lambda: pair.oracle.async_reset_send(env_index=[N]),
+                lambda: pair.zmq.async_reset_send(env_index=[N]),
+            )
+        finally:
+            # torchrl differs: it marks env N busy before failing on it; a phantom.
+            pair.oracle._busy.discard(N)
+
+    # ------------------------------------------------------------ torchrl's tooling
+
+    def test_check_env_specs(self, pair):
+        for p in pair.pools:
+            check_env_specs(p, break_when_any_done="both")
+
+    @pytest.mark.parametrize(
+        "make_transform",
+        [StepCounter, lambda: Compose(StepCounter(max_steps=3), RewardSum())],
+        ids=["StepCounter", "StepCounter(3)+RewardSum"],
+    )
+    def test_transformed_env(self, pair, make_transform):
+        # TransformedEnv steps and resets the pool through _step/_reset.
+        def run(p):
+            env = TransformedEnv(p, make_transform())
+            check_env_specs(env)
+            torch.manual_seed(2)
+            return env.rollout(8, break_when_any_done=False)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "TransformedEnv(pool, ...).rollout(8)")
+
+    def test_collector(self, pair):
+        # torchrl differs: Collector(AsyncEnvPool(...)) raises AttributeError
+        # ('Tensor' object has no attribute 'batch_size'): the pool writes
+        # env_index into the collector's tensordict as a tensor. A user
+        # expects what SerialEnv gives, plus env_index.
+        # total_frames=-1 and two batches taken: a collector that reaches its
+        # total_frames closes its env, and this pool is shared.
+        serial = SerialEnv(N, counting_makers(N))
+
+        def collect(env):
+            torch.manual_seed(3)
+            collector = Collector(env, None, frames_per_batch=2 * N, total_frames=-1)
+            try:
+                return [batch.clone() for batch in itertools.islice(collector, 2)]
+            finally:
+                collector.shutdown(close_env=False)
+
+        try:
+            expected = collect(serial)
+        finally:
+            serial.close(raise_if_closed=False)
+        actual = collect(pair.zmq)
+        assert len(actual) == len(expected) == 2
+        for i, (batch_e, batch_a) in enumerate(zip(expected, actual, strict=True)):
+            assert_same_td(batch_e, batch_a, f"collector batch {i}", exclude=[ENV_INDEX])
+            assert env_index_values(batch_a) == expected_env_index(batch_a.batch_size)
+
+    # ------------------------------------------------------------ stats()
+
+    @staticmethod
+    def _stats_calls(p: Any) -> tuple[dict, dict]:
+        """A partial batch, a full one and a step, on envs 0 and 1 only.
+
+        The oracle has 2 envs and zmqpool's pool 3: with the same calls on the
+        same envs the counts are the same. Every recv with a timeout has a
+        max_get: torchrl's multiprocessing pool, once min_get is met, waits
+        for more until the deadline even when nothing else is in flight.
+        """
+        p.stats(reset=True)
+        p.async_reset_send(env_index=[0])
+        p.async_reset_recv(min_get=1, max_get=2, timeout=0.3)  # 1 of max_get=2: partial
+        p.async_reset_send(env_index=[0, 1])
+        r = p.async_reset_recv(min_get=2, max_get=2, timeout=RECV_TIMEOUT)
+        r.set("action", torch.ones((*r.shape, 1)))
+        p.async_step_send(r)
+        p.async_step_recv(min_get=2, max_get=2, timeout=RECV_TIMEOUT)
+        return p.stats(reset=True), p.stats()
+
+    COUNTS = ["batches", "items", "avg_batch_size", "batch_fill_ratio", "partial_batch_fraction"]
+    TIMES = ["avg_observation_to_batch_ms", "avg_batch_to_action_ms", "consumer_busy_fraction"]
+
+    def test_stats_keys_and_counts(self, pair, shm_oracle):
+        (expected, _), (actual, _) = self._stats_calls(shm_oracle), self._stats_calls(pair.zmq)
+        assert set(actual) == set(expected) == set(self.COUNTS + self.TIMES)
+        # 3 batches of 1, 2, 2 items for capacities 2, 2, 2.
+        assert expected["batches"] == 3 and expected["items"] == 5
+        for key in self.COUNTS:
+            assert actual[key] == pytest.approx(expected[key]), (key, expected, actual)
+
+    def test_stats_reset_clears(self, pair, shm_oracle):
+        (_, expected), (_, actual) = self._stats_calls(shm_oracle), self._stats_calls(pair.zmq)
+        assert expected["batches"] == expected["items"] == 0
+        for key in self.COUNTS:
+            assert actual.get(key) == pytest.approx(expected[key]), (key, expected, actual)
+
+    def test_stats_count_the_per_env_channel(self, pair, shm_oracle):
+        # torchrl's shm exchange counts a per-env recv as a batch of 1 of max_get=1.
+        def run(p):
+            p.stats(reset=True)
+            self._per_env_reset(p, 1)
+            return p.stats(reset=True)
+
+        expected, actual = run(shm_oracle), run(pair.zmq)
+        assert expected["batches"] == expected["items"] == 1
+        for key in self.COUNTS:
+            assert actual.get(key) == pytest.approx(expected[key]), (key, expected, actual)
+
+    def test_stats_times_are_plausible(self, pair, shm_oracle):
+        # As torchrl's test_shared_memory_exchange: a recv then a send of the
+        # next action makes avg_batch_to_action_ms and consumer_busy_fraction > 0.
+        def run(p):
+            p.stats(reset=True)
+            p.async_reset_send(env_index=[0, 1])
+            r = p.async_reset_recv(min_get=2, max_get=2, timeout=RECV_TIMEOUT)
+            for _ in range(2):
+                r.set("action", torch.ones((*r.shape, 1)))
+                p.async_step_send(r)
+                r = step_mdp(p.async_step_recv(min_get=2, max_get=2, timeout=RECV_TIMEOUT))
+            return p.stats(reset=True)
+
+        for name, stats in (("torchrl", run(shm_oracle)), ("zmqpool", run(pair.zmq))):
+            for key in self.TIMES:
+                assert 0 <= stats[key] < 60_000, (name, key, stats)
+            assert stats["consumer_busy_fraction"] <= 1.0, (name, stats)
+            assert stats["avg_batch_to_action_ms"] > 0, (name, stats)
+            assert stats["consumer_busy_fraction"] > 0, (name, stats)
+
+    def test_env_stats_and_stats_table(self, pair):
+        # zmqpool's own per-env statistics moved from stats() to env_stats().
+        per_env = pair.zmq.env_stats()
+        assert sorted(per_env) == list(range(N))
+        assert {"steps", "restarts"} <= set(per_env[0])
+        table = pair.zmq.stats_table()
+        assert isinstance(table, str) and len(table.splitlines()) == N + 1
+
+
+# ====================================================================== min_get / max_get / timeout
+
+#: Per-env step delays (s): env 1 answers first, then env 0, env 2 long after.
+DELAYS = (0.3, 0.0, 1.5)
+#: A deadline between env 0's answer and env 2's.
+DEADLINE = 0.9
+
+
+def delayed_makers() -> list[Callable]:
+    """zmqpool's CountingEnv (float32 action; its observation shows its seed), fixed step delays."""
+    return [
+        functools.partial(ZMQCountingEnv, env_id=i, step_sleep_s=(d, d))
+        for i, d in enumerate(DELAYS)
+    ]
+
+
+@pytest.fixture(scope="class")
+def delayed():
+    yield from serve(
+        AsyncEnvPool(delayed_makers(), backend="threading"),
+        lambda: ZMQAsyncEnvPool(delayed_makers(), config=FAST),
+    )
+
+
+class TestDeadlines:
+    """``min_get``, ``max_get`` and ``timeout`` against envs that answer late, in a known order."""
+
+    @pytest.fixture
+    def pair(self, delayed) -> Pair:
+        return delayed.settle()
+
+    @staticmethod
+    def _send_steps(p: Any, envs: list[int]) -> None:
+        # Only the action: no reset needed (a reset is refused while steps are in flight).
+        td = TensorDict({"action": torch.full((len(envs), 1), 0.5)}, [len(envs)])
+        p.async_step_send(td, env_index=envs)
+
+    def test_deadline_batching_includes_envs_that_answer_before_the_deadline(self, pair):
+        # torchrl: once min_get is met, with a timeout the call keeps collecting
+        # until the deadline (or max_get), then returns what is ready: env 1
+        # (at once) and env 0 (0.3 s), not env 2 (1.5 s).
+        def run(p):
+            self._send_steps(p, list(range(N)))
+            batch, took = elapsed(lambda: p.async_step_recv(min_get=1, timeout=DEADLINE))
+            rest = p.async_step_recv(min_get=1, timeout=RECV_TIMEOUT)
+            return batch, took, rest
+
+        (batch_o, took_o, rest_o), (batch_z, took_z, rest_z) = pair.both(run)
+        assert env_index_values(batch_o) == [0, 1] and env_index_values(rest_o) == [2]
+        assert_same_td(batch_o, batch_z, f"recv(min_get=1, timeout={DEADLINE})")
+        assert_same_td(rest_o, rest_z, "the late env, at the next recv")
+        assert took_z >= 0.8 * DEADLINE, f"returned after {took_z:.2f}s (torchrl {took_o:.2f}s)"
+
+    def test_deadline_batching_returns_at_max_get(self, pair):
+        # With max_get reached (envs 1 and 0) the call returns without waiting for the deadline.
+        def run(p):
+            self._send_steps(p, list(range(N)))
+            batch, took = elapsed(lambda: p.async_step_recv(min_get=1, max_get=2, timeout=10.0))
+            p.async_step_recv(min_get=1, timeout=RECV_TIMEOUT)
+            return batch, took
+
+        (batch_o, took_o), (batch_z, took_z) = pair.both(run)
+        assert_same_td(batch_o, batch_z, "recv(min_get=1, max_get=2, timeout=10)")
+        assert took_o < 1.2 and took_z < 1.2, (took_o, took_z)
+
+    def test_too_few_results_by_the_deadline_raise_and_are_kept(self, pair):
+        # torchrl's test_recv_timeout_bounds_whole_call: the deadline bounds the
+        # wait for min_get; what had arrived stays for the next call.
+        def run(p):
+            self._send_steps(p, list(range(N)))
+            _, took = elapsed(
+                lambda: _raises(TimeoutError, p.async_step_recv, min_get=N, timeout=0.2)
+            )
+            return took, p.async_step_recv(min_get=N, timeout=RECV_TIMEOUT)
+
+        (took_o, all_o), (took_z, all_z) = pair.both(run)
+        assert took_z < 1.0, f"TimeoutError after {took_z:.2f}s (torchrl {took_o:.2f}s)"
+        assert env_index_values(all_z) == list(range(N))
+        assert_same_td(all_o, all_z, "every result after a TimeoutError")
+
+    def test_timeout_zero_polls(self, pair):
+        # timeout=0 never blocks: with nothing ready it raises TimeoutError at once,
+        # and polling returns a result as soon as one is ready.
+        def run(p):
+            self._send_steps(p, [2])  # 1.5 s
+            _, took = elapsed(
+                lambda: _raises(TimeoutError, p.async_step_recv, min_get=1, timeout=0)
+            )
+            self._send_steps(p, [1])  # at once
+            deadline = time.monotonic() + RECV_TIMEOUT
+            while True:
+                try:
+                    ready = p.async_step_recv(min_get=1, timeout=0)
+                    break
+                except TimeoutError:
+                    assert time.monotonic() < deadline, "no result after polling for 20 s"
+                    time.sleep(0.005)
+            late = p.async_step_recv(min_get=1, timeout=RECV_TIMEOUT)
+            return took, ready, late
+
+        (took_o, ready_o, late_o), (took_z, ready_z, late_z) = pair.both(run)
+        assert took_z < 0.5, f"timeout=0 blocked for {took_z:.2f}s (torchrl {took_o:.2f}s)"
+        assert env_index_values(ready_z) == [1] and env_index_values(late_z) == [2]
+        assert_same_td(ready_o, ready_z, "the polled result")
+        assert_same_td(late_o, late_z, "the slow env's result")
+
+    def test_step_sorts_results_that_finish_out_of_order(self, pair):
+        def run(p):
+            td = p.reset()
+            td["action"] = torch.tensor([[0.1], [0.2], [0.3]])
+            return p.step(td)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "step() with envs finishing in the order 1, 0, 2")
+
+    def test_set_seed_seeds_env_i_with_seed_plus_i(self, pair):
+        # torchrl differs: AsyncEnvPool.set_seed raises NotImplementedError.
+        # zmqpool seeds env i with s + i (SerialEnv chains seed_generator, so
+        # env i gets another seed there): the oracle is each env built alone
+        # and seeded with s + i. zmqpool's CountingEnv shows its seed in
+        # observation[3].
+        with pytest.raises(NotImplementedError):
+            pair.oracle.set_seed(7)
+        expected = []
+        for i, maker in enumerate(delayed_makers()):
+            env = maker()
+            env.set_seed(7 + i)
+            expected.append(env.reset())
+        try:
+            pair.zmq.set_seed(7)
+            actual = pair.zmq.reset()
+        finally:
+            pair.zmq.set_seed(None)  # the shared pool's envs go back to unseeded
+        assert_same_td(
+            torch.stack(expected), actual, "set_seed(7) then reset()", exclude=[ENV_INDEX]
+        )
+        assert actual["observation"][:, 3].tolist() == [7.0, 8.0, 9.0]
+
+    # ------------------------------------------------------------ close (last: ends the pools)
+
+    def test_zz_close_then_use_is_refused(self, delayed):
+        # Last of its class (its tests all use the same fixtures, so pytest
+        # keeps their order): it closes the class's pools.
+        for p in delayed.pools:
+            p.close()
+        error = assert_same_error(lambda: delayed.oracle.reset(), lambda: delayed.zmq.reset())
+        assert isinstance(error, RuntimeError)
+
+
+# ====================================================================== env structures
+
+
+class SameCallsOnBoth:
+    """reset, step, step_and_maybe_reset, rollout, rand_step and specs on one env structure.
+
+    Subclasses give ``makers()`` (the env makers) and a class-scoped
+    ``pool_pair`` fixture. With ``SerialEnv`` as the oracle
+    (``serial_oracle``): it has no ``env_index``, which is checked against
+    what a user expects instead (env ``i`` at ``[i, ...]``), nor the
+    ``env_index`` entry of ``full_state_spec``.
+    """
+
+    serial_oracle = False
+    check_type = False
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def pair(self, pool_pair) -> Pair:
+        return pool_pair.settle()
+
+    def same(self, expected, actual, what: str, exclude: tuple = ()) -> None:
+        if self.serial_oracle:
+            exclude = (*exclude, ENV_INDEX)
+        assert_same_td(expected, actual, what, exclude=exclude, check_type=self.check_type)
+        if self.serial_oracle:
+            assert env_index_kind(actual) == "NonTensorStack", what
+            assert env_index_values(actual) == expected_env_index(actual.batch_size), what
+
+    def test_batch_size_and_env_batch_sizes(self, pair):
+        assert pair.zmq.batch_size == pair.oracle.batch_size
+        own = [env.batch_size for env in (make() for make in self.makers())]
+        assert list(pair.zmq.env_batch_sizes) == own
+
+    @pytest.mark.parametrize("name", SPEC_PROPERTIES)
+    def test_spec_property(self, pair, name):
+        if self.serial_oracle and name == "full_state_spec":
+            # SerialEnv's has no env_index: the pool's is SerialEnv's plus env_index.
+            spec = pair.zmq.full_state_spec.clone()
+            assert isinstance(spec[ENV_INDEX], NonTensor)
+            del spec[ENV_INDEX]
+            assert_same_spec(pair.oracle.full_state_spec, spec, name)
+            return
+        o, z = pair.both(lambda p: getattr(p, name))
+        assert_same_spec(o, z, name)
+
+    def test_reset(self, pair):
+        o, z = pair.both(lambda p: p.reset())
+        self.same(o, z, "reset()")
+
+    def test_step(self, pair):
+        o, z = pair.both(lambda p: p.step(with_ones(p, p.reset())))
+        self.same(o, z, "step() with ones")
+
+    def test_rand_step(self, pair):
+        def run(p):
+            td = p.reset()
+            torch.manual_seed(0)
+            return p.rand_step(td)
+
+        o, z = pair.both(run)
+        self.same(o, z, "rand_step()")
+
+    def test_step_and_maybe_reset(self, pair):
+        def run(p):
+            out, td = [], p.reset()
+            for _ in range(7):  # envs end (count past 5) and are reset
+                result, td = p.step_and_maybe_reset(with_ones(p, td))
+                out.append((result.clone(), td.clone()))
+            return out
+
+        # SerialEnv zeroes the action left in the next root of an env it just
+        # reset (it resets into its buffers); each env's own
+        # step_and_maybe_reset, which torchrl's pool runs, keeps the caller's.
+        # That echo of the input is not compared against SerialEnv.
+        echoed = tuple(pair.zmq.action_keys) if self.serial_oracle else ()
+        o, z = pair.both(run)
+        for step, ((res_o, root_o), (res_a, root_a)) in enumerate(zip(o, z, strict=True)):
+            self.same(res_o, res_a, f"step_and_maybe_reset #{step}: result")
+            self.same(root_o, root_a, f"step_and_maybe_reset #{step}: next root", echoed)
+
+    @pytest.mark.parametrize("break_when_any_done", [True, False])
+    def test_rollout(self, pair, break_when_any_done):
+        def run(p):
+            torch.manual_seed(4)
+            return p.rollout(8, break_when_any_done=break_when_any_done)
+
+        o, z = pair.both(run)
+        self.same(o, z, f"rollout(8, break_when_any_done={break_when_any_done})")
+
+    def test_per_env_channel(self, pair):
+        # torchrl's per-env channel: a result of the env's own batch size with
+        # env_index a NonTensorData; an action built from it goes back with
+        # env_index=1. Expected: env 1 built alone, reset, stepped with ones.
+        env = self.makers()[1]()
+        reset = env.reset()
+        step = env.step(reset.clone().update(env.full_action_spec.one()))
+        env.close()
+        pair.zmq.async_reset_send(env_index=1)
+        r = pair.zmq.async_reset_recv(env_index=1, timeout=RECV_TIMEOUT)
+        assert env_index_kind(r) == "NonTensorData", "per-env reset"
+        assert env_index_values(r) == (torch.full(r.shape, 1).tolist() if r.shape else 1)
+        assert_same_td(reset, r, "per-env reset of env 1", exclude=[ENV_INDEX])
+        r.update(env.full_action_spec.one())
+        pair.zmq.async_step_send(r, env_index=1)
+        s = pair.zmq.async_step_recv(env_index=1, timeout=RECV_TIMEOUT)
+        assert env_index_kind(s) == "NonTensorData", "per-env step"
+        assert_same_td(step, s, "per-env step of env 1", exclude=[ENV_INDEX])
+
+
+class TestNestedKeys(SameCallsOnBoth):
+    """NestedCountingEnv (("data", "states"), ("data", "action"), ...), stack="maybe_dense"."""
+
+    serial_oracle = True
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return [functools.partial(NestedCountingEnv, start_val=i) for i in range(2)]
+
+    @pytest.fixture(scope="class")
+    def pool_pair(self):
+        # torchrl differs: its AsyncEnvPool cannot reset NestedCountingEnv
+        # (AttributeError: 'NoneType' object has no attribute 'update', in
+        # _update_during_reset), not even on its per-env channel; SerialEnv
+        # runs it: it is the oracle.
+        yield from serve(
+            SerialEnv(2, self.makers()),
+            lambda: ZMQAsyncEnvPool(self.makers(), stack="maybe_dense", config=FAST),
+        )
+
+    def test_check_env_specs(self, pair):
+        for p in pair.pools:
+            check_env_specs(p)
+
+
+class TestBatchedChildren(SameCallsOnBoth):
+    """CountingEnv(batch_size=[2]) x 2: the pool's batch size is (N, *B) = (2, 2)."""
+
+    serial_oracle = True
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return [functools.partial(CountingEnv, start_val=i, batch_size=[2]) for i in range(2)]
+
+    @pytest.fixture(scope="class")
+    def pool_pair(self):
+        # torchrl differs: its AsyncEnvPool cannot step batched children
+        # (step() sets env_index = arange(N), an (N,) tensor, into an (N, 2)
+        # tensordict: RuntimeError batch dimension mismatch), its env_index
+        # after a reset is [[0, 0], [0, 0]], and its per-env channel raises
+        # (RuntimeError: new batch size (1, 2) in a lazy TD). SerialEnv is the oracle.
+        yield from serve(
+            SerialEnv(2, self.makers()), lambda: ZMQAsyncEnvPool(self.makers(), config=FAST)
+        )
+
+    def test_batch_size_is_n_by_b(self, pair):
+        assert pair.zmq.batch_size == torch.Size([2, 2])
+
+    def test_check_env_specs(self, pair):
+        for p in pair.pools:
+            check_env_specs(p)
+
+
+class TestHeterogeneousCountingEnv(SameCallsOnBoth):
+    """torchrl's HeterogeneousCountingEnv (a lazy stack of 3 agents per env), stack="lazy"."""
+
+    serial_oracle = True
+    check_type = True
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return [functools.partial(HeterogeneousCountingEnv, start_val=i) for i in range(2)]
+
+    @pytest.fixture(scope="class")
+    def pool_pair(self):
+        # torchrl differs: its AsyncEnvPool cannot reset HeterogeneousCountingEnv
+        # (AttributeError in _update_during_reset, whatever the stack); SerialEnv
+        # is the oracle. (check_env_specs fails on SerialEnv too: not compared.)
+        yield from serve(
+            SerialEnv(2, self.makers()),
+            lambda: ZMQAsyncEnvPool(self.makers(), stack="lazy", config=FAST),
+        )
+
+
+def mixed_makers() -> list[Callable]:
+    return [functools.partial(ZMQCountingEnv, env_id=0), functools.partial(ExtraKeyEnv, env_id=1)]
+
+
+class TestTwoDifferentEnvsLazy(SameCallsOnBoth):
+    """Two different envs in one pool, stack="lazy": observations of two shapes, a key in one only.
+
+    torchrl's threading pool runs this: it is the oracle, and the results
+    must be LazyStackedTensorDicts like its own. (check_env_specs fails on
+    torchrl's pool and on SerialEnv for such a lazy stack: not compared.)
+    """
+
+    check_type = True
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return mixed_makers()
+
+    @pytest.fixture(scope="class")
+    def pool_pair(self):
+        yield from serve(
+            AsyncEnvPool(self.makers(), backend="threading", stack="lazy"),
+            lambda: ZMQAsyncEnvPool(self.makers(), stack="lazy", config=FAST),
+        )
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool], ids=str)
+    @pytest.mark.parametrize("shape", [(2, 1), (2,)], ids=["exact", "broadcast"])
+    def test_step_takes_actions_of_another_dtype_for_a_float32_spec(self, pair, dtype, shape):
+        def run(p):
+            td = p.reset()
+            td["action"] = torch.ones(shape, dtype=dtype)
+            return p.step(td)
+
+        o, z = pair.both(run)
+        self.same(o, z, f"step() with a {dtype} action of shape {shape} for a float32 spec")
+
+    @pytest.mark.parametrize("env", [0, 1])
+    def test_per_env_round_trip(self, pair, env):
+        def run(p):
+            p.async_reset_send(env_index=env)
+            r = p.async_reset_recv(env_index=env, timeout=RECV_TIMEOUT)
+            out = [r.clone()]  # torchrl's threading pool writes "next" into r when it is sent
+            r.set("action", torch.ones((*r.shape, 1)))
+            p.async_step_and_maybe_reset_send(r, env_index=env)
+            result, root = p.async_step_and_maybe_reset_recv(env_index=env, timeout=RECV_TIMEOUT)
+            return [*out, result, root]
+
+        o, z = pair.both(run)
+        for name, got_o, got_z in zip(["reset", "result", "next root"], o, z, strict=True):
+            assert_same_td(got_o, got_z, f"per-env {name} of env {env}")

@@ -1,0 +1,323 @@
+"""Any pool process may die: the fork server, a worker, a worker's env thread.
+
+The pool recovers, answers every request in flight exactly once (a restart
+truncation), and says what happened; and a worker closes without races.
+
+Real processes throughout. The pool makes progress only while it is called,
+so every "wait for" below is a bounded loop of pool calls, each with its own
+timeout (and pytest's 120 s per test on top).
+
+Pids come from the pool's public ``fork_server_pid`` and
+``worker_processes()``; one test replaces the supervisor's ``spawn`` hook to
+force the exact order of deaths that once crashed the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from tests.conftest import pids_alive
+from tests.exactly_once import ExactlyOnce
+from zmqpool import EnvError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.launcher import ENV_THREAD_DIED, ForkServerWarning
+from zmqpool.testing import CountingEnv
+
+QUICK = PoolConfig(
+    register_timeout_s=90.0,
+    close_timeout_s=2.0,
+    restart_backoff_s=0.01,
+    max_restarts=100,
+)
+
+
+def env_stats(pool) -> dict[int, dict]:
+    return pool.env_stats()
+
+
+def restarts(pool) -> list[int]:
+    stats = env_stats(pool)
+    return [stats[e]["restarts"] for e in range(pool.num_envs)]
+
+
+def fork_server_pid(pool) -> int | None:
+    return pool.fork_server_pid
+
+
+def worker_pid(pool, worker: int) -> int | None:
+    process = pool.worker_processes().get(worker)
+    return None if process is None else process.pid
+
+
+@contextlib.contextmanager
+def fork_server_warnings():
+    """The ForkServerWarnings raised inside, each one recorded (other filters unchanged)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ForkServerWarning)
+        yield caught
+    caught[:] = [w for w in caught if issubclass(w.category, ForkServerWarning)]
+
+
+def settle(driver: ExactlyOnce, expected: list[int], timeout_s: float = 60.0) -> None:
+    """Step every env until each expected restart has produced its one truncation."""
+    deadline = time.monotonic() + timeout_s
+    while restarts(driver.pool) != expected or driver.truncations != expected:
+        assert time.monotonic() < deadline, (restarts(driver.pool), driver.truncations, expected)
+        driver.send([e for e in range(driver.num_envs) if e not in driver.awaited])
+        driver.receive()
+    while driver.awaited:
+        driver.receive()
+
+
+# ---------------------------------------------------------------- the fork server
+
+
+def test_fork_server_killed_mid_run_then_a_worker_every_request_answered_once():
+    """SIGKILL the zygote (4 envs, one per worker), then a worker it re-forked.
+
+    The zygote's workers die with it; each death is still seen, the pool warns
+    once, starts a new zygote, restarts all four and answers each request once.
+    The worker killed afterwards is seen and restarted too (the dead zygote's
+    closed pipe used to crash this recv with ``ValueError: I/O operation on
+    closed file``).
+    """
+    pool = ZMQAsyncEnvPool(
+        CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(4)], config=QUICK
+    )
+    try:
+        driver = ExactlyOnce(pool, 4, 600, random.Random(3), restarts=True)
+        killed: dict[str, int] = {}
+
+        def between() -> None:
+            if "zygote" not in killed and driver.received >= 100:
+                killed["zygote"] = pid = fork_server_pid(pool)
+                os.kill(pid, signal.SIGKILL)
+            elif "zygote" in killed and "worker" not in killed and min(driver.truncations) >= 1:
+                # Every env is back, forked by the new zygote: kill one of those workers.
+                assert fork_server_pid(pool) not in (None, killed["zygote"])
+                killed["worker"] = pid = worker_pid(pool, 2)
+                os.kill(pid, signal.SIGKILL)
+
+        with fork_server_warnings() as caught:
+            driver.run(between)
+            settle(driver, [1, 1, 2, 1])
+        assert set(killed) == {"zygote", "worker"}
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        assert f"the fork server (pid {killed['zygote']}) died (killed by SIGKILL)" in str(
+            caught[0].message
+        )
+        causes = [env_stats(pool)[e]["last_restart_cause"] for e in range(4)]
+        assert all(c.startswith("killed with its fork server") for c in causes[:2] + causes[3:])
+        assert causes[2] == "killed by SIGKILL"  # the re-forked worker's status is known again
+    finally:
+        pool.close()
+
+
+def test_fork_server_dying_just_before_a_restart_is_forked():
+    """The zygote dies after a worker's death was seen, before that worker is re-forked.
+
+    The restart finds the zygote dead before its other workers' deaths are
+    read: the exact order behind the ``ValueError: I/O operation on closed
+    file`` (the launcher closed the dead zygote's pipes, then read them for
+    those deaths). To hit it every time, the test kills the zygote from
+    inside the supervisor's respawn hook (private), and waits for its other
+    workers to die before letting the respawn go on.
+    """
+    pool = ZMQAsyncEnvPool(
+        CountingEnv, create_env_kwargs=[{"env_id": i} for i in range(3)], config=QUICK
+    )
+    try:
+        zygote, others = fork_server_pid(pool), [worker_pid(pool, w) for w in (1, 2)]
+        respawn = pool._supervisor.spawn
+
+        def kill_zygote_then_respawn(worker: int) -> None:
+            pool._supervisor.spawn = respawn
+            os.kill(zygote, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while pids_alive(others):  # they die with it (PR_SET_PDEATHSIG)
+                assert time.monotonic() < deadline, "the zygote's workers outlived it"
+                time.sleep(0.01)
+            respawn(worker)
+
+        pool._supervisor.spawn = kill_zygote_then_respawn
+        driver = ExactlyOnce(pool, 3, 30, random.Random(5), restarts=True)
+        with fork_server_warnings() as caught:
+            driver.pool.reset()
+            os.kill(worker_pid(pool, 0), signal.SIGKILL)
+            settle(driver, [1, 1, 1])
+        assert pool._supervisor.spawn == respawn  # the hook ran
+        assert len(caught) == 1 and f"(pid {zygote}) died" in str(caught[0].message)
+        assert fork_server_pid(pool) not in (None, zygote)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("envs_per_worker", "seed"),
+    [
+        (1, 1),  # worker 0, worker 3, fork server, worker 1, fork server
+        (2, 0),  # worker 0, worker 0, fork server, worker 0, worker 1
+    ],
+)
+def test_a_random_pool_process_killed_every_100_steps_answers_each_request_once(
+    envs_per_worker, seed
+):
+    """Zygote or worker, chosen at random, SIGKILLed every 100 steps of 600 (4 envs).
+
+    Each kill waits for the previous one to be fully answered (every restarted
+    env has given its truncation), so each restarts something. Every request is
+    answered exactly once; a zygote kill restarts every env, a worker kill its
+    own; one warning per zygote death.
+    """
+    pool = ZMQAsyncEnvPool(
+        CountingEnv,
+        create_env_kwargs=[{"env_id": i} for i in range(4)],
+        envs_per_worker=envs_per_worker,
+        config=QUICK,
+    )
+    workers = 4 // envs_per_worker
+    rng = random.Random(seed)
+    try:
+        driver = ExactlyOnce(pool, 4, 600, random.Random(4), restarts=True)
+        expected = [0, 0, 0, 0]
+        kills: list[str] = []
+
+        def between() -> None:
+            recovered = restarts(pool) == expected == driver.truncations
+            if not recovered or driver.received < 100 * (len(kills) + 1):
+                return
+            victim = rng.choice(["fork server"] + [f"worker {w}" for w in range(workers)])
+            if victim == "fork server":
+                pid, hit = fork_server_pid(pool), range(4)
+            else:
+                first = int(victim[-1]) * envs_per_worker
+                pid, hit = worker_pid(pool, int(victim[-1])), range(first, first + envs_per_worker)
+            assert pid is not None, victim
+            os.kill(pid, signal.SIGKILL)
+            kills.append(victim)
+            for env in hit:
+                expected[env] += 1
+
+        with fork_server_warnings() as caught:
+            driver.run(between)
+            settle(driver, expected)
+        assert len(kills) == 5 and "fork server" in kills and len(set(kills)) >= 3, kills
+        assert len(caught) == kills.count("fork server"), [str(w.message) for w in caught]
+        assert restarts(pool) == driver.truncations == expected
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- env threads
+
+
+class FatalEnv(CountingEnv):
+    """A CountingEnv whose step raises what its action asks for.
+
+    ``0.9``: ``SystemExit``; ``0.8``: ``KeyboardInterrupt``; ``0.7``: an
+    exception whose ``repr`` raises too; ``0.5``: a step of a second (still in
+    flight when its neighbour's thread dies). Any other action: a normal step.
+    """
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        action = round(float(tensordict["action"].reshape(-1)[0]), 2)
+        if action == 0.9:
+            raise SystemExit(0)
+        if action == 0.8:
+            raise KeyboardInterrupt
+        if action == 0.7:
+            raise UnprintableError("the env failed")
+        if action == 0.5:
+            time.sleep(1.0)
+        return super()._step(tensordict)
+
+
+class UnprintableError(ValueError):
+    def __repr__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
+def step(pool, values: list[float]) -> TensorDictBase:
+    actions = TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)])
+    pool.async_step_send(actions, env_index=list(range(len(values))))
+    return pool.async_step_recv(min_get=len(values), timeout=30)
+
+
+def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations():
+    """SystemExit / KeyboardInterrupt in one env's thread (2 envs, one worker, env threads).
+
+    The thread dies; the worker exits (code ENV_THREAD_DIED) instead of
+    leaving the request unanswered forever; the pool restarts it and answers
+    both envs' requests with truncations, as a crash. An exception whose repr
+    raises is still an EnvError for its env, not a dead thread.
+    """
+    pool = ZMQAsyncEnvPool(
+        [FatalEnv] * 2,
+        create_env_kwargs=[{"env_id": i} for i in range(2)],
+        envs_per_worker=2,
+        config=QUICK,
+    )
+    try:
+        pool.reset()
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+        for round_, fatal in enumerate([0.9, 0.8], start=1):
+            out = step(pool, [fatal, 0.5])
+            assert pool.last_restarted_envs == [0, 1]
+            assert out["next", "truncated"].all() and not out["next", "terminated"].any()
+            assert restarts(pool) == [round_, round_]
+            cause = env_stats(pool)[0]["last_restart_cause"]
+            assert cause.startswith(f"exited with code {ENV_THREAD_DIED}: an env thread died")
+            assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+        pool.async_step_send(TensorDict({"action": torch.tensor([[0.7]])}, [1]), env_index=[0])
+        with pytest.raises(EnvError, match="UnprintableError: its repr\\(\\) raised") as info:
+            pool.async_step_recv(min_get=1, timeout=30)
+        assert info.value.env_index == 0
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [2.0, 2.0]
+        assert restarts(pool) == [2, 2]
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- closing
+
+
+def test_closing_pools_with_busy_env_threads_leaves_clean_worker_exits(capfd):
+    """Close pools while every env thread is mid-step, repeatedly.
+
+    A worker's close used to ``Context.destroy()`` while its heartbeat thread
+    closed its own socket (``RuntimeError: Set changed size during
+    iteration``) and env threads sent replies on sockets being closed. Now
+    every worker exits with code 0 and writes no traceback.
+    """
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=5.0)
+    busy = {"step_sleep_s": (0.0, 0.004)}
+    for _ in range(3):
+        pool = ZMQAsyncEnvPool(
+            CountingEnv,
+            create_env_kwargs=[{"env_id": i, **busy} for i in range(6)],
+            envs_per_worker=2,
+            config=config,
+        )
+        try:
+            processes = pool.worker_processes()
+            assert len(processes) == 3
+            pool.reset()
+            for _ in range(20):
+                step(pool, [0.1] * 6)
+            pool.async_step_send(
+                TensorDict({"action": torch.zeros(6, 1)}, [6]), env_index=list(range(6))
+            )
+        finally:
+            pool.close()  # with every env thread in a step
+        assert [processes[w].exit_status() for w in range(3)] == [0, 0, 0]
+    err = capfd.readouterr().err
+    for sign in ("Traceback", "Set changed size", "Exception in thread", "ZMQError"):
+        assert sign not in err, err
