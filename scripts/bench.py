@@ -907,8 +907,9 @@ def probe_td(nbytes: int) -> TensorDict:
 
 def probe_sender(endpoint: str, nbytes: int, threshold: int, count: int, out: Any) -> None:
     """(A forked child.) Encode and push ``count`` results; send our CPU seconds on ``out``."""
-    from zmqpool.broker import send_frames
-    from zmqpool.wire import Command, Encoder, Header, encode_message
+    from zmqpool.codec import Encoder
+    from zmqpool.protocol import send_frames
+    from zmqpool.wire import Command, Header, encode_message
 
     torch.set_num_threads(1)
     ctx = zmq.Context()
@@ -927,8 +928,10 @@ def probe_receiver(pull: zmq.Socket, count: int, timeout_s: float) -> float:
 
     Process CPU: the I/O thread reading the socket counts too (waiting does not).
     """
-    from zmqpool.broker import recv_frames
-    from zmqpool.wire import Decoder, Header, stack_parts
+    from zmqpool.batching import stack_parts
+    from zmqpool.codec import Decoder
+    from zmqpool.protocol import recv_frames
+    from zmqpool.wire import Header
 
     decoder, parts = Decoder(), []
     start = time.process_time()

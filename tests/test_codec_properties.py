@@ -43,23 +43,13 @@ from tensordict import (
 )
 from torchrl.testing.mocking_classes import TC
 
+from zmqpool.batching import stack_parts
+from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.errors import ProtocolError
+from zmqpool.layout import _DTYPES, Layout, max_message_bytes
+from zmqpool.limits import MAX_HEADER_BYTES, MAX_LEAF_BYTES
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import (
-    _DTYPES,
-    MAX_HEADER_BYTES,
-    MAX_LEAF_BYTES,
-    PROTOCOL_VERSION,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    Layout,
-    encode_message,
-    layout_of,
-    max_message_bytes,
-    stack_parts,
-)
+from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
 
 #: ZMQPOOL_FUZZ_SCALE=50 runs fifty times the examples (a long, offline fuzz run).
 SCALE = int(os.environ.get("ZMQPOOL_FUZZ_SCALE", "1"))
@@ -459,7 +449,7 @@ def _values(draw, layout: Layout) -> list[Any]:
 
 @settings(SETTINGS, max_examples=200 * SCALE)
 @given(hostile_messages())
-@pytest.mark.filterwarnings("ignore::zmqpool.wire.TensorclassNotLoadedWarning")
+@pytest.mark.filterwarnings("ignore::zmqpool.classnames.TensorclassNotLoadedWarning")
 def test_any_layout_and_frames_raise_only_protocol_error(message):
     header, frames = message
     try:
@@ -549,7 +539,7 @@ def _mutate_lazy(draw, data: dict[str, Any], related) -> None:
 
 @settings(SETTINGS, max_examples=200 * SCALE)
 @given(parts(), st.data())
-@pytest.mark.filterwarnings("ignore::zmqpool.wire.TensorclassNotLoadedWarning")
+@pytest.mark.filterwarnings("ignore::zmqpool.classnames.TensorclassNotLoadedWarning")
 def test_mutated_layouts_raise_only_protocol_error(td, data):
     frames = as_received(encode_message(Header(Command.RESULT), [Encoder().encode(td)]))
     header = Header.decode(frames[0])

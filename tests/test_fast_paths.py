@@ -1,6 +1,6 @@
 """The hot loop's shortcuts give what the general paths they bypass give.
 
-- :class:`~zmqpool.wire.RowPacker`: each packed row of a batch is, byte for
+- :class:`~zmqpool.batching.RowPacker`: each packed row of a batch is, byte for
   byte, what ``Encoder.encode`` makes of that row; stacking the rows is the batch.
 - Decoding writable buffers (a worker's bytearrays: numpy views) gives what
   read-only zmq frames give (torch views).
@@ -20,17 +20,10 @@ from torchrl.envs import EnvBase
 from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
 from workers.hosting import step_next
 from zmqpool import assembly
+from zmqpool.batching import RowPacker, stack_parts
+from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import (
-    ZERO_COPY_THRESHOLD,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    RowPacker,
-    encode_message,
-    stack_parts,
-)
+from zmqpool.wire import Command, Header, encode_message
 
 EXCLUDE = ("env_index", "next")
 

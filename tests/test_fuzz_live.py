@@ -40,16 +40,11 @@ from tests.exactly_once import ExactlyOnce
 from workers.hosting import EnvHost
 from workers.loop import Worker
 from zmqpool import ZMQAsyncEnvPool
+from zmqpool.codec import Decoder, Encoder
+from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
 from zmqpool.specs import spec_to_data
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import (
-    PROTOCOL_VERSION,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    encode_message,
-)
+from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
 
 NUM_ENVS = 4
 STEPS = 600  # real env steps
@@ -96,14 +91,16 @@ class HostilePeer:
         self.pool = pool
         self.rng = random.Random(seed)
         self.context = zmq.Context()
-        self.push = self._socket(zmq.PUSH, pool._broker.results_ep)
+        self.push = self._socket(zmq.PUSH, pool._runtime.broker.results_ep)
         # Frames of megabytes on their own connection: a MAXMSGSIZE on the pool's side
         # drops the connection (and what is queued on it) instead of the message.
-        self.big_push = self._socket(zmq.PUSH, pool._broker.results_ep)
+        self.big_push = self._socket(zmq.PUSH, pool._runtime.broker.results_ep)
         self.dealers = [
             # Fresh identities: a ROUTER refuses one still held by a closing connection.
             self._socket(
-                zmq.DEALER, pool._broker.router_ep, b"evil%d-" % i + os.urandom(4).hex().encode()
+                zmq.DEALER,
+                pool._runtime.broker.router_ep,
+                b"evil%d-" % i + os.urandom(4).hex().encode(),
             )
             for i in range(3)
         ]
@@ -152,7 +149,7 @@ class HostilePeer:
 
     def _awaited_seq(self, env: int) -> int:
         """The seq the pool awaits for ``env`` (or will give its next request)."""
-        slot = self.pool._ledger.slots[env]
+        slot = self.pool._runtime.ledger.slots[env]
         return slot.in_flight[0].seq if slot.in_flight else slot.next_seq
 
     def _stale_seq(self, env: int) -> int:
@@ -160,7 +157,7 @@ class HostilePeer:
         return max(0, self._awaited_seq(env) - 1 - self.rng.randrange(3))
 
     def _token(self, env: int) -> bytes:
-        worker = self.pool._ledger.slots[env].worker
+        worker = self.pool._runtime.ledger.slots[env].worker
         return worker.token if worker is not None else b""
 
     def _forged(self, header: Header, env: int) -> list[Any]:
@@ -212,7 +209,7 @@ class HostilePeer:
 
     def forged_error(self) -> list[Any]:
         env = self._env()
-        body = {"err": "forged error", "tb": "", "kind": "env"}
+        body = Failed("forged error", "", FailureKind.ENV).to_body()
         token = self.rng.choice([b"", os.urandom(16)])
         return [Header(Command.ERROR, env, self._awaited_seq(env), token, body=body).encode()]
 
@@ -337,7 +334,7 @@ def wait_for(condition, pump, timeout_s: float = 10.0) -> bool:
 
 
 def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
-    dropped_before = sum(pool._ledger.dropped.values())
+    dropped_before = sum(pool._runtime.ledger.dropped.values())
     # Hostile messages interleaved with the real steps, a few at a time.
     driver = ExactlyOnce(pool, NUM_ENVS, STEPS, random.Random(1))
     driver.run(between=lambda: peer.send_some(min(15, HOSTILE - sum(peer.sent.values()))))
@@ -349,20 +346,20 @@ def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
     refused = sum(n for name, n in peer.sent.items() if name in HostilePeer.REFUSED)
 
     def pump():
-        pool._broker.poll(0.05)
+        pool._runtime.broker.poll(0.05)
         peer.read_replies()
 
     def all_seen() -> bool:
-        drops = sum(pool._ledger.dropped.values()) - dropped_before
+        drops = sum(pool._runtime.ledger.dropped.values()) - dropped_before
         return drops >= counted and peer.replies["REFUSE"] >= refused
 
-    assert wait_for(all_seen, pump), (pool._ledger.dropped, peer.replies, peer.sent)
+    assert wait_for(all_seen, pump), (pool._runtime.ledger.dropped, peer.replies, peer.sent)
     wait_for(lambda: False, pump, timeout_s=0.3)  # let the megabyte frames settle
-    drops = sum(pool._ledger.dropped.values()) - dropped_before
-    assert counted <= drops <= counted + big, pool._ledger.dropped
+    drops = sum(pool._runtime.ledger.dropped.values()) - dropped_before
+    assert counted <= drops <= counted + big, pool._runtime.ledger.dropped
     assert peer.replies["WELCOME"] == 0 and set(peer.replies) <= {"REFUSE"}
     assert sum(peer.sent.values()) >= HOSTILE
-    print(f"\nhostile messages: {dict(peer.sent)}\ndropped: {pool._ledger.dropped}")
+    print(f"\nhostile messages: {dict(peer.sent)}\ndropped: {pool._runtime.ledger.dropped}")
 
     # The pool is whole: a synchronous step of every env is each env's next step.
     td = pool.step(TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS]))
@@ -373,30 +370,32 @@ def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
 def test_a_peer_speaking_another_version_is_told_why(pool, peer):
     dealer = peer.dealers[0]
     dealer.send(Header(Command.REGISTER, body={"reg": {}}, version=PROTOCOL_VERSION + 1).encode())
-    assert wait_for(lambda: dealer.poll(0), lambda: pool._broker.poll(0.05))
+    assert wait_for(lambda: dealer.poll(0), lambda: pool._runtime.broker.poll(0.05))
     header = Header.decode(dealer.recv())
     assert header.command == Command.REFUSE
-    assert f"version {PROTOCOL_VERSION + 1}" in header.body["err"]
+    assert f"version {PROTOCOL_VERSION + 1}" in Refuse.from_body(header.body).err
 
 
 def test_drops_are_logged(pool, peer, caplog):
     caplog.set_level(logging.DEBUG, logger="zmqpool")
     peer.push.send(b"\xc1 not a header")
-    before = sum(pool._ledger.dropped.values())
+    before = sum(pool._runtime.ledger.dropped.values())
     assert wait_for(
-        lambda: sum(pool._ledger.dropped.values()) > before, lambda: pool._broker.poll(0.05)
+        lambda: sum(pool._runtime.ledger.dropped.values()) > before,
+        lambda: pool._runtime.broker.poll(0.05),
     )
     assert any("drop" in record.getMessage() for record in caplog.records)
 
 
 def test_control_messages_from_unknown_identities_are_counted(pool, peer):
-    before = sum(pool._ledger.dropped.values())
+    before = sum(pool._runtime.ledger.dropped.values())
     dealer = peer.dealers[1]
     dealer.send(Header(Command.HEARTBEAT).encode())
-    dealer.send(Header(Command.FAILED, 0, body={"err": "forged", "tb": ""}).encode())
+    forged = Failed("forged", "", FailureKind.MAKER)
+    dealer.send(Header(Command.FAILED, 0, body=forged.to_body()).encode())
     assert wait_for(
-        lambda: sum(pool._ledger.dropped.values()) >= before + 2,
-        lambda: pool._broker.poll(0.05),
+        lambda: sum(pool._runtime.ledger.dropped.values()) >= before + 2,
+        lambda: pool._runtime.broker.poll(0.05),
         timeout_s=1.0,
     )
 
@@ -523,9 +522,10 @@ def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
         assert worker._handle(frames), what
         header, _ = reply_of(worker)
         assert header.command == Command.ERROR and header.seq == 2, what
-        assert header.token == worker.token and header.body["err"], what
-        # "protocol", not "env": with on_env_error="restart" an "env" error restarts the worker.
-        assert header.body.get("kind", "protocol") == "protocol", what
+        failed = Failed.from_body(header.body)
+        assert header.token == worker.token and failed.err, what
+        # PROTOCOL, not ENV: with on_env_error="restart" an ENV error restarts the worker.
+        assert failed.kind is FailureKind.PROTOCOL, what
     assert worker._handle([Header(Command.PING).encode()]) and not worker.push.sent
     # The same env, its state intact: none of the bad commands reached it.
     assert worker.host.envs[0] is env
@@ -533,7 +533,7 @@ def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
     # A well-formed step the env cannot take is the env's error, and the env lives on too.
     assert worker._handle(command(Header(Command.STEP, 0, 4), TensorDict({}, []), encoder))
     header, _ = reply_of(worker)
-    assert header.command == Command.ERROR and "env raised" in header.body["err"]
+    assert header.command == Command.ERROR and "env raised" in Failed.from_body(header.body).err
     assert worker.host.envs[0] is env
     assert step(worker, encoder, 5)["observation"][:2].tolist() == [7.0, 4.0]
     assert not worker._handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
@@ -546,14 +546,15 @@ def test_a_peer_cannot_take_over_a_live_workers_envs(pool):
     # Last in this file: if it ever fails, it leaves the module's pool broken.
     context = zmq.Context()
     try:
-        identity = pool._ledger.slots[0].worker.identity  # b"w0": in /proc/<pid>/cmdline
+        identity = pool._runtime.ledger.slots[0].worker.identity  # b"w0": in /proc/<pid>/cmdline
         thief = context.socket(zmq.DEALER)
         thief.linger = 0
         thief.identity = identity
-        thief.connect(pool._broker.router_ep)
+        thief.connect(pool._runtime.broker.router_ep)
         specs = [spec_to_data(CountingEnv().specs)] * 2
-        reg = {"pid": os.getpid(), "envs": [0, 1], "specs": specs}
-        thief.send(Header(Command.REGISTER, body={"reg": reg}).encode())
+        # A well-formed REGISTER, as the real worker's own: refused all the same.
+        reg = Register(os.getpid(), "thief", (0, 1), False, os.urandom(8), None, tuple(specs))
+        thief.send(Header(Command.REGISTER, body=reg.to_body()).encode())
         seen = Thief(thief)
         wait_for(lambda: seen.welcome is not None, lambda: seen.pump(pool), timeout_s=1.0)
         pool.async_step_send(TensorDict({"action": torch.zeros(1, 1)}, [1]), env_index=[0])
@@ -576,19 +577,19 @@ class Thief:
 
     def __init__(self, dealer: zmq.Socket) -> None:
         self.dealer = dealer
-        self.welcome: dict[str, Any] | None = None
+        self.welcome: Welcome | None = None
         self.commands: list[str] = []
         self.push: zmq.Socket | None = None
 
     def pump(self, pool: ZMQAsyncEnvPool) -> None:
-        pool._broker.poll(0.02)
+        pool._runtime.broker.poll(0.02)
         while self.dealer.poll(0):
             header = Header.decode(self.dealer.recv_multipart()[0])
             if header.command == Command.WELCOME:
-                self.welcome = header.body["reg"]
+                self.welcome = Welcome.from_body(header.body)
                 self.push = self.dealer.context.socket(zmq.PUSH)
                 self.push.linger = 0
-                self.push.connect(self.welcome["results"])
+                self.push.connect(self.welcome.results)
             elif header.command == Command.STEP:
                 self.commands.append(f"STEP seq {header.seq}")
                 self._forge(header)
@@ -596,5 +597,5 @@ class Thief:
     def _forge(self, command: Header) -> None:
         if self.push is None or self.welcome is None:
             return
-        header = Header(Command.RESULT, command.env, command.seq, self.welcome["token"])
+        header = Header(Command.RESULT, command.env, command.seq, self.welcome.token)
         self.push.send_multipart(encode_message(header, [Encoder().encode(forged_next(0))]))

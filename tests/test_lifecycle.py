@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict
 
-import zmqpool.pool
+import zmqpool.runtime
 from tests.conftest import FAST, pids_alive
 from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.endpoints import make_private_dir
@@ -32,7 +32,7 @@ def test_env_maker_error_names_the_env_and_leaves_nothing_behind(monkeypatch):
         made.append(make_private_dir())
         return made[-1]
 
-    monkeypatch.setattr(zmqpool.pool, "make_private_dir", recording_make_private_dir)
+    monkeypatch.setattr(zmqpool.runtime, "make_private_dir", recording_make_private_dir)
     makers = [CountingEnv, functools.partial(FaultyEnv, in_init=True)]
     with pytest.raises(EnvMakerError) as info:
         ZMQAsyncEnvPool(makers, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=FAST)

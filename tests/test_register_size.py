@@ -2,7 +2,7 @@
 
 The ROUTER's ``MAXMSGSIZE`` keeps unauthenticated peers from making the pool
 allocate; libzmq drops a larger message by closing the connection, telling
-nobody. So a worker checks its REGISTER first (``wire.MAX_CONTROL_BYTES``),
+nobody. So a worker checks its REGISTER first (``limits.MAX_CONTROL_BYTES``),
 scalar bounds travel as one element (a pixel env fits), and a FAILED message
 clips its traceback.
 """
@@ -19,10 +19,12 @@ import zmq
 from torchrl.data import Bounded, Composite
 
 from tests.conftest import FAST
-from workers.reports import MAX_TRACEBACK_CHARS, clipped_failure
 from zmqpool import EnvMakerError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
+from zmqpool.layout import max_message_bytes
+from zmqpool.limits import MAX_CONTROL_BYTES
+from zmqpool.protocol import MAX_TRACEBACK_CHARS, Failed, FailureKind
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import MAX_CONTROL_BYTES, Command, Header, max_message_bytes
+from zmqpool.wire import Command, Header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,19 +110,20 @@ def test_a_failed_message_clips_a_huge_traceback_keeping_head_and_tail():
     head = "Traceback (most recent call last):\n"
     tb = head + '  File "deep.py", line 1, in f\n' * 100_000 + "ValueError: the cause\n"
     for err, text in [("boom", tb), ("\U0001f4a5" * 3_000_000, "\U0001f4a5" * 3_000_000)]:
-        body = clipped_failure({"err": err, "tb": text, "kind": "env"})
+        body = Failed.clipped(err, text, FailureKind.ENV).to_body()
         message = Header(Command.FAILED, 3, body=body).encode()
         assert len(message) < MAX_CONTROL_BYTES // 2  # 4-byte characters included
-        got = Header.decode(message).body
-        assert got is not None and got["kind"] == "env"
-        assert len(got["tb"]) <= MAX_TRACEBACK_CHARS
-    assert got["err"].startswith("\U0001f4a5") and "characters cut" in got["err"]
-    kept_head, rest = clipped_failure({"err": "boom", "tb": tb})["tb"].split("\n... [")
+        got = Failed.from_body(Header.decode(message).body)  # within the limits it checks
+        assert got.kind is FailureKind.ENV
+        assert len(got.tb) <= MAX_TRACEBACK_CHARS
+    assert got.err.startswith("\U0001f4a5") and "characters cut" in got.err
+    kept_head, rest = Failed.clipped("boom", tb, FailureKind.MAKER).tb.split("\n... [")
     count, kept_tail = rest.split(" characters cut] ...\n")
     assert kept_head.startswith(head) and tb.startswith(kept_head)
     assert kept_tail.endswith("ValueError: the cause\n") and tb.endswith(kept_tail)
     assert len(kept_head) + int(count) + len(kept_tail) == len(tb)  # the count is exact
-    assert clipped_failure({"err": "boom", "tb": "short"}) == {"err": "boom", "tb": "short"}
+    short = Failed.clipped("boom", "short", FailureKind.MAKER)
+    assert short == Failed("boom", "short", FailureKind.MAKER)
 
 
 def test_an_env_maker_error_megabytes_long_still_reaches_the_trainer():

@@ -33,9 +33,9 @@ def actions(values) -> TensorDict:
 
 def registered(pool) -> bool:
     """Every worker is up and no restarted env still awaits its synthesized reply."""
-    slots = pool._ledger.slots
+    slots = pool._runtime.ledger.slots
     synth = any(p.synth for s in slots for p in s.in_flight)
-    return len(pool._broker.workers) == len(pool._worker_envs) and not synth
+    return len(pool._runtime.broker.workers) == len(pool._runtime.worker_envs) and not synth
 
 
 class Checker:

@@ -28,7 +28,8 @@ from torchrl.envs import GymEnv
 
 from zmqpool import specs as specs_module
 from zmqpool.errors import ProtocolError
-from zmqpool.specs import MAX_DEPTH, spec_from_data, spec_to_data
+from zmqpool.limits import MAX_DEPTH
+from zmqpool.specs import spec_from_data, spec_to_data
 from zmqpool.testing import CountingEnv
 
 PLAIN_TYPES = (dict, list, str, int, float, bool, bytes, type(None))

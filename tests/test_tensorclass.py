@@ -40,28 +40,19 @@ from torchrl.envs import SerialEnv
 from torchrl.testing.mocking_classes import TC, CountingEnv, EnvWithTensorClass
 
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
-from zmqpool.errors import ProtocolError
-from zmqpool.specs import spec_from_data, spec_to_data
-from zmqpool.wire import (
-    MAX_CLASS_NAME,
-    MAX_LEAVES,
-    PROTOCOL_VERSION,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    Layout,
-    RowPacker,
+from zmqpool.batching import RowPacker, stack_parts
+from zmqpool.classnames import (
     TensorclassNotLoadedWarning,
-    check_crossable,
-    encode_message,
-    layout_of,
-    max_message_bytes,
     parse_class_name,
     resolve_tensorclass,
-    stack_parts,
     tensorclass_name,
 )
+from zmqpool.codec import Decoder, Encoder, check_crossable, layout_of
+from zmqpool.errors import ProtocolError
+from zmqpool.layout import Layout, max_message_bytes
+from zmqpool.limits import MAX_CLASS_NAME, MAX_LEAVES
+from zmqpool.specs import spec_from_data, spec_to_data
+from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
 
 TC_NAME = "torchrl.testing.mocking_classes:TC"
 

@@ -8,16 +8,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
 from zmqpool.errors import ProtocolError, VersionMismatchError
-from zmqpool.wire import (
-    PROTOCOL_VERSION,
-    ZERO_COPY_THRESHOLD,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    encode_message,
-)
+from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
 
 DTYPES = [
     torch.bool,

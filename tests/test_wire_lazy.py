@@ -26,21 +26,13 @@ from tensordict import (
 from torchrl.envs import SerialEnv
 from torchrl.testing.mocking_classes import HeterogeneousCountingEnv
 
+from zmqpool.batching import stack_parts
+from zmqpool.codec import Decoder, Encoder, check_crossable, layout_of
 from zmqpool.errors import ProtocolError
+from zmqpool.layout import Layout, max_message_bytes
+from zmqpool.limits import MAX_LEAVES
 from zmqpool.specs import spec_from_data, spec_to_data
-from zmqpool.wire import (
-    MAX_LEAVES,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    Layout,
-    check_crossable,
-    encode_message,
-    layout_of,
-    max_message_bytes,
-    stack_parts,
-)
+from zmqpool.wire import Command, Header, encode_message
 
 
 def as_received(frames: list[Any]) -> list[memoryview]:

@@ -19,7 +19,7 @@ import os
 import sys
 
 from workers.hosting import EnvHost, EnvRecipe, recipe_from_name
-from workers.loop import Worker
+from workers.loop import REGISTER_TIMEOUT_S, Worker
 from workers.supervise import REFUSED, Supervisor, die_with_parent
 from zmqpool.errors import EnvMakerError, RegistrationError
 from zmqpool.security import ClientKeys
@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--register-timeout",
         type=float,
-        help="seconds to wait for the pool (default: 120 for local workers, forever for --env)",
+        help=f"seconds to wait for the pool (default: {REGISTER_TIMEOUT_S:g} for local workers, "
+        "forever for --env)",
     )
     parser.add_argument("--log-level", default="WARNING")
     return parser
@@ -173,7 +174,7 @@ def serve(
     """Build the envs, register, answer commands; the exit code says how it ended."""
     timeout = args.register_timeout
     if timeout is None:
-        timeout = None if remote else 120.0
+        timeout = None if remote else REGISTER_TIMEOUT_S
     worker = Worker(
         args.connect,
         identity,

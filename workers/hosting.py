@@ -16,11 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.envs import EnvBase
 
+from zmqpool.codec import leaf_state
 from zmqpool.errors import EnvMakerError, ProtocolError
-from zmqpool.wire import Command, leaf_state
+from zmqpool.wire import Command
 
 Parts = list[TensorDictBase]
 Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
@@ -200,7 +201,3 @@ def limit_torch_threads() -> None:
     threads = int(os.environ.get(WORKER_THREADS_VAR, "1"))
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-def empty_like_batch(env: EnvBase) -> TensorDict:
-    return TensorDict({}, batch_size=env.batch_size)

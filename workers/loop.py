@@ -33,8 +33,9 @@ from typing import Any
 import zmq
 
 from workers.hosting import EnvHost
-from workers.reports import clipped_failure, oversized_registration
+from workers.reports import oversized_registration
 from workers.threads import EnvRunners
+from zmqpool.codec import Decoder, Encoder
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -42,22 +43,35 @@ from zmqpool.errors import (
     VersionMismatchError,
 )
 from zmqpool.launcher import ENV_THREAD_DIED
+from zmqpool.limits import MAX_CONTROL_BYTES
+from zmqpool.protocol import (
+    MAX_HOST_CHARS,
+    Failed,
+    FailureKind,
+    Ping,
+    Refuse,
+    Register,
+    Welcome,
+    recv_frames,
+    send_frames,
+)
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
-from zmqpool.wire import (
-    MAX_CONTROL_BYTES,
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    encode_message,
-)
+from zmqpool.wire import Command, Header, encode_message
 
 log = logging.getLogger("workers")
 
 #: How long :meth:`Worker.close` waits for its threads to finish what they are
 #: doing (an env step in flight) before it leaves them to the process's exit.
 CLOSE_JOIN_S = 1.0
+
+#: How long a worker waits for its pool's WELCOME (sending REGISTER again with
+#: backoff) before it gives up: the default of :class:`Worker` and of ``python -m
+#: workers``'s local workers, and as long as a pool waits for its envs by default
+#: (``PoolConfig.register_timeout_s``). A remote worker started with ``--env``
+#: waits forever unless given ``--register-timeout``. Every other timing the
+#: worker shares with its pool comes in the WELCOME (:class:`~zmqpool.protocol.Welcome`).
+REGISTER_TIMEOUT_S = 120.0
 
 
 class Worker:
@@ -68,7 +82,8 @@ class Worker:
         identity: this worker's routing identity (stable across restarts).
         host: the envs, keyed by the indices this worker asks for.
         heartbeat_interval_s: how often to tell the pool we are alive.
-        register_timeout_s: how long to wait for the pool (``None``: forever).
+        register_timeout_s: how long to wait for the pool (``None``: forever;
+            default :data:`REGISTER_TIMEOUT_S`).
         remote_slots: ask the pool for free remote slots, and rejoin it when
             it goes away or restarts.
         keys: CURVE keys, for a pool bound on TCP with ``curve_keys``.
@@ -82,7 +97,7 @@ class Worker:
         identity: bytes,
         host: EnvHost,
         heartbeat_interval_s: float = 1.0,
-        register_timeout_s: float | None = 60.0,
+        register_timeout_s: float | None = REGISTER_TIMEOUT_S,
         remote_slots: bool = False,
         keys: ClientKeys | None = None,
         slots: list[int] | None = None,
@@ -99,7 +114,7 @@ class Worker:
         self.incarnation = os.urandom(8)  # tells the pool this process is new
         self.epoch: bytes | None = None  # the pool we are registered with
         self.beats: str | None = None
-        self.pool_interval_s = heartbeat_interval_s  # how often the pool beats (from WELCOME)
+        self.welcome: Welcome | None = None  # the pool's timings, token and endpoints
         self.pool_lost = threading.Event()
         self.context = zmq.Context()
         self.dealer = self._socket(zmq.DEALER, identity)
@@ -129,34 +144,41 @@ class Worker:
 
     def register(self) -> None:
         """Send REGISTER until the pool answers (with backoff), then take its WELCOME."""
-        reg = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "envs": sorted(self.host.envs),
-            "remote": self.remote_slots,
-            "incarnation": self.incarnation,
-            "slots": self.slots,
-            "specs": [spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)],
-        }
-        message = Header(Command.REGISTER, body={"reg": reg}).encode()
+        reg = Register(
+            pid=os.getpid(),
+            host=socket.gethostname()[:MAX_HOST_CHARS],
+            envs=tuple(sorted(self.host.envs)),
+            remote=self.remote_slots,
+            incarnation=self.incarnation,
+            slots=None if self.slots is None else tuple(self.slots),
+            specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
+        )
+        message = Header(Command.REGISTER, body=reg.to_body()).encode()
         if len(message) > MAX_CONTROL_BYTES:
             self._refuse_oversized(len(message), reg)
         header = self._register_until_answered(message)
-        if header.command == Command.REFUSE:
-            reason = (header.body or {}).get("err", "no reason given")
-            raise RegistrationError(f"the pool at {self.router} refused this worker: {reason}")
-        self._accept_welcome((header.body or {}).get("reg"))
+        try:
+            if header.command == Command.REFUSE:
+                reason = Refuse.from_body(header.body).err
+                raise RegistrationError(f"the pool at {self.router} refused this worker: {reason}")
+            welcome = Welcome.from_body(header.body)
+        except ProtocolError as err:
+            raise RegistrationError(
+                f"the pool at {self.router} answered with a message this worker cannot read "
+                f"({err}): run the same zmqpool version on the trainer and the workers"
+            ) from err
+        self._accept_welcome(welcome)
 
-    def _refuse_oversized(self, size: int, reg: dict[str, Any]) -> None:
+    def _refuse_oversized(self, size: int, reg: Register) -> None:
         """Raise, saying why, rather than send a REGISTER the pool's ROUTER would drop unseen.
 
         A local worker's pool is waiting for it: it hears why too (a FAILED
         message, small), so the trainer raises at construction, naming the env.
         """
         names = {i: type(env).__name__ for i, env in self.host.envs.items()}
-        env, text = oversized_registration(size, reg["envs"], reg["specs"], names)
+        env, text = oversized_registration(size, list(reg.envs), list(reg.specs), names)
         if not self.remote_slots:
-            self._send_failed(env, {"err": text, "tb": "", "kind": "register"})
+            self._send_failed(env, Failed.clipped(text, "", FailureKind.REGISTER))
         raise RegistrationError(f"cannot register with the pool at {self.router}: {text}")
 
     def _register_until_answered(self, message: bytes) -> Header:
@@ -182,9 +204,9 @@ class Worker:
         while (remaining := until - time.monotonic()) > 0:
             if not self.dealer.poll(int(remaining * 1000) + 1):
                 return None
-            frames = self.dealer.recv_multipart()
+            frames = recv_frames(self.dealer)
             try:
-                header = Header.decode(frames[0])
+                header = Header.decode(frames[0].buffer)
             except VersionMismatchError as err:
                 # The pool's REFUSE is written in its version, which we cannot read:
                 # any message from it in another version means we will never agree.
@@ -199,29 +221,25 @@ class Worker:
                 return header
         return None
 
-    def _accept_welcome(self, reg: Any) -> None:
-        if not isinstance(reg, dict) or not isinstance(reg.get("token"), bytes):
-            raise ProtocolError("WELCOME without a token")
-        envs, results = reg.get("envs"), reg.get("results")
-        if not isinstance(envs, list) or len(envs) != len(self.host.envs):
-            raise ProtocolError("WELCOME assigns a different number of envs than we host")
-        if not isinstance(results, str):
-            raise ProtocolError("WELCOME without a results endpoint")
+    def _accept_welcome(self, welcome: Welcome) -> None:
+        envs = list(welcome.envs)
+        if len(envs) != len(self.host.envs):
+            raise RegistrationError(
+                f"the pool at {self.router} assigned envs {envs} to this worker, "
+                f"which hosts {len(self.host.envs)}"
+            )
         # The pool may place our envs at other indices (remote workers ask for slots).
         hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
         self.host.envs = dict(zip(envs, hosted, strict=True))
         with self._send_lock:  # env threads may be replying to the old pool
-            self.token = reg["token"]
+            self.token = welcome.token
             if self.push is not None:
                 self.push.close()
             self.push = self._socket(zmq.PUSH)
-            self.push.connect(reachable(results, self.router))
-        beats = reg.get("beats")
-        self.beats = reachable(beats, self.router) if isinstance(beats, str) else None
-        self.epoch = reg.get("epoch") if isinstance(reg.get("epoch"), bytes) else None
-        interval = reg.get("heartbeat_interval_s")
-        if isinstance(interval, (int, float)) and 0 < interval < 3600:
-            self.pool_interval_s = float(interval)
+            self.push.connect(reachable(welcome.results, self.router))
+        self.beats = None if welcome.beats is None else reachable(welcome.beats, self.router)
+        self.epoch = welcome.epoch
+        self.welcome = welcome
         self.pool_lost.clear()
         log.info("registered envs %s with the pool at %s", envs, self.router)
 
@@ -260,16 +278,12 @@ class Worker:
         each frame instead of asking the socket for ``RCVMORE``.
         """
         try:
-            frame = self.dealer.recv(zmq.NOBLOCK, copy=False)
+            frames = recv_frames(self.dealer)
         except zmq.Again:
             if not self.dealer.poll(int(self.heartbeat_interval_s * 1000)):
                 return None
-            frame = self.dealer.recv(copy=False)
-        frames = [frame.bytes]
-        while frame.more:
-            frame = self.dealer.recv(copy=False)
-            frames.append(frame.bytes)
-        return frames
+            frames = recv_frames(self.dealer)
+        return [frame.bytes for frame in frames]
 
     def _handle(self, frames: list[bytes]) -> bool:
         """Handle one message; False when told to close."""
@@ -322,23 +336,15 @@ class Worker:
     def _send_unlocked(self, reply: list[Any]) -> None:
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
             return
-        # Frame by frame: send_multipart's per-part type checks cost more than the sends.
-        send, last = self.push.send, len(reply) - 1
-        for i, frame in enumerate(reply):
-            send(frame, zmq.SNDMORE if i < last else 0, copy=False)
+        send_frames(self.push, reply)
 
     def _error_reply(self, header: Header, err: Exception) -> list[Any]:
         malformed = isinstance(err, ProtocolError)
         what = "malformed command" if malformed else "env raised"
         text = _safe_repr(err)
         log.warning("env %d: %s: %s", header.env, what, text)
-        body = clipped_failure(
-            {
-                "err": f"{what}: {text}",
-                "tb": traceback.format_exc(),
-                "kind": "protocol" if malformed else "env",  # "env" may restart the worker
-            }
-        )
+        kind = FailureKind.PROTOCOL if malformed else FailureKind.ENV  # ENV may restart the worker
+        body = Failed.clipped(f"{what}: {text}", traceback.format_exc(), kind).to_body()
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:
@@ -360,11 +366,12 @@ class Worker:
             watch.close()
 
     def report_maker_failure(self, err: EnvMakerError) -> None:
-        body = {"err": str(err).split("\n", 1)[0], "tb": err.remote_traceback}
-        self._send_failed(err.env_index, body)
+        text = str(err).split("\n", 1)[0]
+        failed = Failed.clipped(text, err.remote_traceback, FailureKind.MAKER)
+        self._send_failed(err.env_index, failed)
 
-    def _send_failed(self, env: int, body: dict[str, Any]) -> None:
-        self.dealer.send(Header(Command.FAILED, env, body=clipped_failure(body)).encode())
+    def _send_failed(self, env: int, failed: Failed) -> None:
+        self.dealer.send(Header(Command.FAILED, env, body=failed.to_body()).encode())
         # Give the message a moment to leave before the process exits (linger is 0).
         time.sleep(0.2)
 
@@ -418,10 +425,6 @@ class Worker:
         self.context.term()  # every socket is closed: returns at once
 
 
-#: Pool heartbeats missed before a remote worker thinks its pool is gone.
-POOL_LIVENESS = 10
-
-
 class _PoolWatch:
     """In the heartbeat thread: is our pool still beating, and is it still the same pool?"""
 
@@ -438,13 +441,19 @@ class _PoolWatch:
         if self.sub is None or worker.pool_lost.is_set():
             return
         while self.sub.poll(0):
-            header = Header.decode(self.sub.recv())
-            epoch = (header.body or {}).get("epoch")
+            try:
+                header = Header.decode(self.sub.recv())
+                epoch = Ping.from_body(header.body).epoch
+            except ProtocolError as err:  # not a beat of any pool's: it proves nothing
+                log.warning("dropped a malformed pool heartbeat: %s", err)
+                continue
             if epoch != worker.epoch:
                 worker.pool_lost.set()  # a new pool at the same address: a restarted trainer
                 return
             self.last_beat = time.monotonic()
-        if time.monotonic() - self.last_beat > POOL_LIVENESS * worker.pool_interval_s:
+        welcome = worker.welcome
+        # The pool's own timings (its WELCOME): lost after as many missed beats as it allows us.
+        if welcome is not None and time.monotonic() - self.last_beat > welcome.pool_timeout_s:
             worker.pool_lost.set()
 
     def _subscribe(self, endpoint: str | None) -> None:

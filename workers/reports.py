@@ -3,8 +3,9 @@
 A control message over the pool's limit is lost without a word (libzmq drops
 it at the ROUTER's ``MAXMSGSIZE``), taking the one explanation the user would
 get with it. So a failure's text and traceback are clipped, keeping their
-head and tail, and a REGISTER too large to send is explained instead: which
-env's specs weigh, and which of their leaves.
+head and tail (:meth:`zmqpool.protocol.Failed.clipped`, the limits the
+pool checks), and a REGISTER too large to send is explained instead (here):
+which env's specs weigh, and which of their leaves.
 """
 
 from __future__ import annotations
@@ -13,54 +14,7 @@ from typing import Any
 
 import msgpack
 
-from zmqpool.wire import MAX_CONTROL_BYTES
-
-#: The most characters of an error's text, and of its traceback, that a FAILED or
-#: ERROR message carries. A header over the pool's limit is lost without a word
-#: (its ROUTER's MAXMSGSIZE, the decoder's MAX_HEADER_BYTES), taking the one
-#: explanation the user gets with it; at 4 UTF-8 bytes a character at worst,
-#: both together stay under a quarter of :data:`~zmqpool.wire.MAX_CONTROL_BYTES`.
-MAX_ERROR_CHARS = 4_000
-MAX_TRACEBACK_CHARS = 60_000
-
-
-def clipped_failure(body: dict[str, Any]) -> dict[str, Any]:
-    """A FAILED or ERROR body with its ``"err"`` and ``"tb"`` clipped to fit any pool.
-
-    Example:
-        >>> body = clipped_failure({"err": "boom", "tb": "x" * 100_000, "kind": "env"})
-        >>> body["err"], len(body["tb"]) <= MAX_TRACEBACK_CHARS, body["kind"]
-        ('boom', True, 'env')
-    """
-    return {
-        **body,
-        "err": clip_middle(str(body.get("err", "")), MAX_ERROR_CHARS),
-        "tb": clip_middle(str(body.get("tb", "")), MAX_TRACEBACK_CHARS),
-    }
-
-
-def clip_middle(text: str, limit: int) -> str:
-    """``text``, or if longer than ``limit`` characters its head and tail around a marker.
-
-    The tail gets two thirds: a traceback ends with the innermost frames and
-    the exception, what a reader looks for first; its head says where it began.
-
-    Example:
-        >>> print(clip_middle("a" * 300 + "b" * 600, 78))
-        aaaaaaaaaa
-        ... [870 characters cut] ...
-        bbbbbbbbbbbbbbbbbbbb
-    """
-    if len(text) <= limit:
-        return text
-    keep = max(0, limit - _MARKER_RESERVE)
-    head = keep // 3
-    marker = f"\n... [{len(text) - keep} characters cut] ...\n"
-    return text[:head] + marker + text[len(text) - (keep - head) :]
-
-
-#: Characters set aside for clip_middle's marker (its count has at most 19 digits).
-_MARKER_RESERVE = 48
+from zmqpool.limits import MAX_CONTROL_BYTES
 
 
 def oversized_registration(
@@ -83,7 +37,7 @@ def oversized_registration(
     where = ", ".join(f"{'/'.join(path)} ({nbytes} bytes)" for nbytes, path in tensors)
     text = (
         f"its REGISTER message is {size} bytes, over the limit of {MAX_CONTROL_BYTES} "
-        f"bytes a pool takes (zmqpool.wire.MAX_CONTROL_BYTES). The specs of env {env} "
+        f"bytes a pool takes (zmqpool.limits.MAX_CONTROL_BYTES). The specs of env {env} "
         f"({names.get(env, 'env')}) take {weights[k]} bytes"
         + (f", mostly per-element tensors: {where}" if where else "")
         + ". Specs travel whole at registration: masks, and bounds that vary along every "

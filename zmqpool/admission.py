@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from zmqpool.broker import Admission
-from zmqpool.errors import ProtocolError, RegistrationError
+from zmqpool.errors import RegistrationError
+from zmqpool.protocol import Register
 from zmqpool.remote import RemoteSlots
 from zmqpool.specs import spec_from_data
 from zmqpool.state import Ledger
@@ -62,51 +63,41 @@ class Registrar:
     def identity(self, worker_index: int) -> bytes:
         return next(k for k, v in self.local_identities.items() if v == worker_index)
 
-    def admit(self, identity: bytes, reg: dict[str, Any]) -> Admission:
-        specs = reg.get("specs")
-        if not isinstance(specs, list) or not specs:
-            raise ProtocolError("REGISTER must carry one spec per env")
+    def admit(self, identity: bytes, reg: Register) -> Admission:
+        """Admit a REGISTER (its fields checked by :meth:`Register.from_body`) or raise."""
         if identity in self.local_identities:
-            admission = self._admit_local(identity, reg, len(specs))
+            admission = self._admit_local(identity, reg)
         else:
-            admission = self._admit_remote(identity, reg, specs)
-        for env, spec in zip(admission.envs, specs, strict=True):
+            admission = self._admit_remote(identity, reg)
+        for env, spec in zip(admission.envs, reg.specs, strict=True):
             self.specs[env] = spec
         return admission
 
-    def _admit_local(self, identity: bytes, reg: dict[str, Any], count: int) -> Admission:
+    def _admit_local(self, identity: bytes, reg: Register) -> Admission:
         envs = list(self.worker_envs[self.local_identities[identity]])
-        incarnation = reg.get("incarnation")
-        if incarnation is not None and self.incarnations.get(identity) == incarnation:
+        incarnation = reg.incarnation
+        if self.incarnations.get(identity) == incarnation:
             return Admission(envs, duplicate=True)  # it asked twice: answer, change nothing
-        if reg.get("envs") != envs or count != len(envs):
-            raise RegistrationError(
-                f"worker {identity!r} offers envs {reg.get('envs')}, not {envs}"
-            )
+        if list(reg.envs) != envs:  # Register.from_body: as many specs as envs
+            raise RegistrationError(f"worker {identity!r} offers envs {list(reg.envs)}, not {envs}")
         live = [env for env in envs if self.ledger.slots[env].worker is not None]
         if live:  # a restart registers only after the death was seen (slot.worker = None)
             raise RegistrationError(
                 f"worker {identity!r} of envs {live} is registered and alive: refused"
             )
-        for env, spec in zip(envs, reg["specs"], strict=True):
+        for env, spec in zip(envs, reg.specs, strict=True):
             self._check_spec(env, spec)
         self.incarnations[identity] = incarnation
         rejoin = any(self.ledger.slots[e].restarts for e in envs)
         return Admission(envs, rejoin=rejoin)
 
-    def _admit_remote(self, identity: bytes, reg: dict[str, Any], specs: list[Any]) -> Admission:
+    def _admit_remote(self, identity: bytes, reg: Register) -> Admission:
         if self.remote is None:
             raise RegistrationError("this pool has no remote env slots (remote_envs=0)")
-        incarnation = reg.get("incarnation")
-        if not isinstance(incarnation, bytes):
-            raise ProtocolError("a remote REGISTER must carry an incarnation id")
+        specs, incarnation = reg.specs, reg.incarnation
         for spec in specs:
             self._check_spec(None, spec)  # a wrong spec says more than "no free slot"
-        wanted = reg.get("slots")
-        if wanted is not None and not (
-            isinstance(wanted, list) and all(isinstance(i, int) for i in wanted)
-        ):
-            raise ProtocolError("REGISTER slots must be a list of env indices")
+        wanted = None if reg.slots is None else list(reg.slots)
         claim = self.remote.plan(identity, incarnation, len(specs), wanted)
         for env, spec in zip(claim.envs, specs, strict=True):
             self._check_spec(env, spec)  # refuse before taking any slot

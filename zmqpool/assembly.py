@@ -10,9 +10,9 @@
 
 Where this is hot (a cheap env's step costs the pool more here than the env
 costs its worker), it avoids per-env TensorDicts: a dense batch is packed
-into one frame per env in one pass (:class:`~zmqpool.wire.RowPacker`), and
+into one frame per env in one pass (:class:`~zmqpool.batching.RowPacker`), and
 parts that share a layout, whether replies or the inputs kept from a send, are
-stacked straight from their frames (:func:`~zmqpool.wire.stack_parts`).
+stacked straight from their frames (:func:`~zmqpool.batching.stack_parts`).
 Everything else (lazy stacks, per-env TensorDicts of synthesized restarts)
 takes tensordict's own stacking, as before.
 """
@@ -32,16 +32,11 @@ from tensordict import (
 )
 from tensordict.utils import expand_as_right
 
+from zmqpool.batching import RowPacker, stack_parts
+from zmqpool.codec import ZERO_COPY_THRESHOLD, DecodedPart, check_crossable
 from zmqpool.state import Reply
 from zmqpool.synthesis import next_root_after_restart, truncated_next
-from zmqpool.wire import (
-    ZERO_COPY_THRESHOLD,
-    Command,
-    DecodedPart,
-    RowPacker,
-    check_crossable,
-    stack_parts,
-)
+from zmqpool.wire import Command
 
 ENV_INDEX = "env_index"
 _STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)

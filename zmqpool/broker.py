@@ -33,23 +33,27 @@ from typing import Any
 
 import zmq
 
+from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import Endpoints
 from zmqpool.errors import EnvError, ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.launcher import WorkerProcess
+from zmqpool.layout import max_message_bytes
 from zmqpool.policy import Liveness
+from zmqpool.protocol import (
+    Failed,
+    FailureKind,
+    Ping,
+    Refuse,
+    Register,
+    Welcome,
+    recv_frames,
+    send_frames,
+)
 from zmqpool.security import ServerKeys, make_server, start_authenticator
 from zmqpool.specs import spec_from_data
 from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
-from zmqpool.wire import (
-    Command,
-    Decoder,
-    Encoder,
-    Header,
-    encode_message,
-    layout_of,
-    max_message_bytes,
-)
+from zmqpool.wire import Command, Header, encode_message
 
 log = logging.getLogger("zmqpool")
 
@@ -59,7 +63,14 @@ _DRAIN_BATCH = 256
 
 @dataclasses.dataclass
 class Event:
-    """Something the pool must decide about: ``exited`` (a local process died) or ``failed``."""
+    """Something the pool must decide about: ``exited`` (a local process died), ``failed``
+    or ``registered``.
+
+    ``detail`` of ``failed``: ``env``, ``err``, ``tb`` and ``kind`` (a
+    :class:`~zmqpool.protocol.FailureKind`: a ``str``, equal to its wire value);
+    of ``registered``: ``envs``, ``reg`` (the :class:`~zmqpool.protocol.Register`)
+    and ``rejoin``; of ``exited``: ``status``, ``pid`` and ``cause``.
+    """
 
     kind: str
     identity: bytes
@@ -75,38 +86,11 @@ class Admission:
     duplicate: bool = False  # the same process registering again: answer, change nothing
 
 
-Admit = Callable[[bytes, dict[str, Any]], Admission]
+Admit = Callable[[bytes, Register], Admission]
 EnvErrorHook = Callable[[int, Pending, EnvError], bool]
 
 #: Commands that step an env; sent to a freshly restarted env, they become a reset.
 STEP_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
-
-
-def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
-    """``sock.send_multipart(frames, copy=False)`` at half the cost.
-
-    ``send_multipart`` first checks every part's type in Python (~3 us a
-    message, measured); these frames are all buffers. Frames under pyzmq's
-    copy threshold are copied all the same; larger ones go without a copy.
-    """
-    last = len(frames) - 1
-    send = sock.send
-    for i, frame in enumerate(frames):
-        send(frame, zmq.SNDMORE if i < last else 0, copy=False)
-
-
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, reading ``more`` off each frame.
-
-    ``recv_multipart`` asks the socket (``RCVMORE``) after every frame; the
-    frame already knows. The rest of a message arrives with its first frame.
-    """
-    frame = sock.recv(zmq.NOBLOCK, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(copy=False)
-        frames.append(frame)
-    return frames
 
 
 class Broker:
@@ -128,7 +112,7 @@ class Broker:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # MAXMSGSIZE is per frame and read when an endpoint is bound. Workers send the
         # ROUTER one-frame control messages only: nothing longer than a header. A worker
-        # whose REGISTER would not fit fails on its side (wire.MAX_CONTROL_BYTES), saying why.
+        # whose REGISTER would not fit fails on its side (limits.MAX_CONTROL_BYTES), saying why.
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
         self.pull = self._socket(zmq.PULL)
         self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
@@ -297,25 +281,26 @@ class Broker:
         pending = self.ledger.match(header.env, header.seq, header.token, time.monotonic())
         if pending is None:
             return
-        reply = self._reply(header, pending, frames[1:])
-        if self._handled_as_crash(header, reply):
-            return
-        self.ledger.deliver(reply)
-
-    def _handled_as_crash(self, header: Header, reply: Reply) -> bool:
-        env_raised = (header.body or {}).get("kind") == "env"
-        if self.on_env_error is None or not env_raised or not isinstance(reply.error, EnvError):
-            return False
-        return self.on_env_error(header.env, reply.pending, reply.error)
-
-    def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
         worker = self.ledger.slots[header.env].worker
         assert worker is not None  # match() checked the token against it
         self.liveness.heard(worker.identity, time.monotonic())
         if header.command == Command.ERROR:
-            body = header.body or {}
-            error = EnvError(header.env, str(body.get("err", "")), str(body.get("tb", "")))
-            return Reply(header.env, pending, error=error)
+            error, kind = _env_error(header)
+            reply = Reply(header.env, pending, error=error)
+            if kind is FailureKind.ENV and self._handled_as_crash(header.env, reply):
+                return
+        else:
+            reply = self._reply(header, pending, frames[1:])
+        self.ledger.deliver(reply)
+
+    def _handled_as_crash(self, env: int, reply: Reply) -> bool:
+        if self.on_env_error is None or not isinstance(reply.error, EnvError):
+            return False
+        return self.on_env_error(env, reply.pending, reply.error)
+
+    def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
+        worker = self.ledger.slots[header.env].worker
+        assert worker is not None  # match() checked the token against it
         try:
             parts = worker.decoder.decode(header, frames)
         except ProtocolError as err:
@@ -347,9 +332,14 @@ class Broker:
         # A worker of another version cannot read our REFUSE (it reads the
         # version first and stops); our own process cannot tell us either, so
         # the pool hears of it here.
-        self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+        self._refuse(identity, str(err))
         if self._spawned(identity):
-            self.events.append(Event("failed", identity, {"kind": "version", "err": str(err)}))
+            detail = {"kind": FailureKind.VERSION, "err": str(err)}
+            self.events.append(Event("failed", identity, detail))
+
+    def _refuse(self, identity: bytes, reason: str) -> None:
+        refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
+        self.route(identity, [refusal.encode()])
 
     def _on_heartbeat(self, identity: bytes, header: Header) -> None:
         worker = self.workers.get(identity.removesuffix(b"!hb"))
@@ -365,38 +355,42 @@ class Broker:
         if identity not in self.workers and not self._spawned(identity):
             self.ledger.drop("FAILED from an identity that is not a worker")
             return
-        body = header.body or {}
-        detail = {"env": header.env, "err": body.get("err", ""), "tb": body.get("tb", "")}
-        detail["kind"] = body.get("kind", "maker")  # "register": its REGISTER would not fit
+        try:
+            failed = Failed.from_body(header.body)
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed FAILED: {type(err).__name__}")
+            log.warning("worker %r sent a malformed FAILED: %s", identity, err)
+            return
+        # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
+        detail = {"env": header.env, "err": failed.err, "tb": failed.tb, "kind": failed.kind}
         self.events.append(Event("failed", identity, detail))
 
     def _on_register(self, identity: bytes, header: Header) -> None:
-        reg = (header.body or {}).get("reg")
         try:
-            if not isinstance(reg, dict) or self.admit is None:
-                raise RegistrationError("REGISTER without registration data")
+            reg = Register.from_body(header.body)
+            if self.admit is None:
+                raise RegistrationError("this pool takes no registrations yet")
             admission = self.admit(identity, reg)
         except (RegistrationError, ProtocolError) as err:
             log.warning("refused worker %r: %s", identity, err)
-            self.route(identity, [Header(Command.REFUSE, body={"err": str(err)}).encode()])
+            self._refuse(identity, str(err))
             return
         self._welcome(identity, admission, reg)
 
-    def _welcome(self, identity: bytes, admission: Admission, reg: dict[str, Any]) -> None:
+    def _welcome(self, identity: bytes, admission: Admission, reg: Register) -> None:
         known = self.workers.get(identity)
         if admission.duplicate and known is not None:
             self._send_welcome(identity, known, reg)  # our WELCOME was lost: say it again
             return
         envs = admission.envs
         token = os.urandom(16)
-        pid = reg["pid"] if isinstance(reg.get("pid"), int) else -1
         # admit() validated the specs; what they hold bounds the frames this worker sends.
-        limit = max_message_bytes(layout_of(spec_from_data(s).zero()) for s in reg["specs"])
+        limit = max_message_bytes(layout_of(spec_from_data(s).zero()) for s in reg.specs)
         record = WorkerRecord(
             identity,
             token,
             tuple(envs),
-            pid,
+            reg.pid,
             Decoder(max_frame_bytes=limit),
             Encoder(self.config.zero_copy_threshold_bytes),
         )
@@ -408,21 +402,18 @@ class Broker:
         detail = {"envs": envs, "reg": reg, "rejoin": admission.rejoin}
         self.events.append(Event("registered", identity, detail))
 
-    def _send_welcome(self, identity: bytes, record: WorkerRecord, reg: dict[str, Any]) -> None:
-        remote = bool(reg.get("remote")) and self.tcp is not None
-        body = {
-            "reg": {
-                "token": record.token,
-                "envs": list(record.envs),
-                "results": self.tcp.results
-                if remote and self.tcp
-                else self.results_endpoint(record.decoder.max_frame_bytes),
-                "beats": self.tcp.beats if remote and self.tcp else None,
-                "epoch": self.epoch,
-                "heartbeat_interval_s": self.config.heartbeat_interval_s,
-            }
-        }
-        self.route(identity, [Header(Command.WELCOME, body=body).encode()])
+    def _send_welcome(self, identity: bytes, record: WorkerRecord, reg: Register) -> None:
+        tcp = self.tcp if reg.remote else None
+        welcome = Welcome(
+            token=record.token,
+            envs=record.envs,
+            results=tcp.results if tcp else self.results_endpoint(record.decoder.max_frame_bytes),
+            beats=tcp.beats if tcp else None,
+            epoch=self.epoch,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_liveness=self.config.heartbeat_liveness,
+        )
+        self.route(identity, [Header(Command.WELCOME, body=welcome.to_body()).encode()])
 
     _CONTROL = {
         Command.REGISTER: _on_register,
@@ -467,7 +458,7 @@ class Beacon:
             make_server(self.sock, keys)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.beat = Header(Command.PING, body={"epoch": epoch}).encode()
+        self.beat = Header(Command.PING, body=Ping(epoch).to_body()).encode()
         self.interval_s = config.heartbeat_interval_s
         self._stop = threading.Event()
         # The socket moves to the thread now and is used by nobody else.
@@ -486,3 +477,12 @@ class Beacon:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=2 * self.interval_s + 1)
+
+
+def _env_error(header: Header) -> tuple[EnvError, FailureKind | None]:
+    """An ERROR reply as the caller's error, and what kind of failure it reports."""
+    try:
+        failed = Failed.from_body(header.body)
+    except ProtocolError as err:  # the request was real; answer it with what is wrong
+        return EnvError(header.env, f"malformed error reply: {err}"), None
+    return EnvError(header.env, failed.err, failed.tb), failed.kind

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zmqpool.wire import ZERO_COPY_THRESHOLD
+from zmqpool.codec import ZERO_COPY_THRESHOLD
 
 _BOOL_FIELDS = ("fork_server", "env_threads", "strict_inputs")
 
@@ -28,7 +28,8 @@ class PoolConfig:
     close_timeout_s: float = 3.0
     #: an env step or reset running longer than this is hung (None: never).
     step_timeout_s: float | None = None
-    #: how often workers and the pool send heartbeats.
+    #: how often local workers and the pool's beacon send heartbeats (a remote
+    #: worker sends at its own ``--heartbeat-interval``).
     heartbeat_interval_s: float = 1.0
     #: missed heartbeats after which a worker is declared silent.
     heartbeat_liveness: int = 10

@@ -1,50 +1,38 @@
 """``ZMQAsyncEnvPool``: torchrl's ``AsyncEnvPool``, with ZeroMQ as its transport.
 
-The pool owns a :class:`~zmqpool.broker.Broker` (its sockets), a
-:class:`~zmqpool.state.Ledger` (what is in flight and what is ready) and the
-local worker processes. Its public methods are torchrl's, with torchrl's
-semantics; everything zmqpool adds is a keyword argument with a safe default.
+The torchrl adapter: its public methods are torchrl's, with torchrl's
+semantics, and everything zmqpool adds is a keyword argument with a safe
+default. It turns the caller's tensordicts into payloads (checked, see
+:mod:`zmqpool.validation`; built by :class:`~zmqpool.assembly.Assembler`),
+keeps torchrl's bookkeeping (busy envs, what each recv may await) and turns
+replies into torchrl's results. Sockets, processes, registration and the
+event loop are the :class:`~zmqpool.runtime.Runtime`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal, NoReturn, TypeGuard
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 from torchrl.envs import AsyncEnvPool, EnvBase
 
-from zmqpool.admission import Registrar
 from zmqpool.assembly import Assembler
-from zmqpool.broker import Broker, Event
 from zmqpool.config import PoolConfig
-from zmqpool.endpoints import (
-    Endpoints,
-    ipc_endpoints,
-    make_private_dir,
-    remove_private_dir,
-    tcp_endpoints,
-)
 from zmqpool.errors import (
-    EnvMakerError,
     PoolClosedError,
-    RegistrationError,
-    VersionMismatchError,
 )
-from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
-from zmqpool.remote import RemoteSlots
-from zmqpool.security import ServerKeys
+from zmqpool.launcher import WorkerProcess
+from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.specs import spec_from_data
-from zmqpool.state import Channel, Kind, Ledger, Reply
+from zmqpool.state import Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
-from zmqpool.supervisor import Supervisor
 from zmqpool.validation import check_step_input
-from zmqpool.wire import Command, Header
+from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
 
@@ -97,39 +85,6 @@ def _check_network_args(remote: int, bind, keys, insecure: bool, local_transport
         )
     if keys is None:
         log.warning("binding %s WITHOUT encryption or authentication (insecure=True)", bind)
-
-
-class _Resources:
-    """What must be released when the pool goes, even if it is dropped without ``close()``.
-
-    Kept apart from the pool so a ``weakref.finalize`` can release it without
-    holding the pool alive.
-    """
-
-    def __init__(self, config: PoolConfig) -> None:
-        self.config = config
-        self.directory = make_private_dir()
-        self.processes: dict[bytes, WorkerProcess] = {}
-        self.broker: Broker | None = None
-        self.launcher: Launcher | None = None
-        self.closed = False
-
-    def release(self, grace_s: float | None = None) -> None:
-        """Close workers (waiting ``grace_s``, default the config's close timeout), then kill."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.broker is not None:
-            close = Header(Command.CLOSE).encode()
-            for identity in list(self.broker.workers):
-                self.broker.route(identity, [close])
-        grace_s = self.config.close_timeout_s if grace_s is None else grace_s
-        stop_all(list(self.processes.values()), grace_s)
-        if self.launcher is not None:
-            self.launcher.close()
-        if self.broker is not None:
-            self.broker.close()
-        remove_private_dir(self.directory)
 
 
 class ZMQAsyncEnvPool(AsyncEnvPool):
@@ -209,9 +164,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self.config = config or PoolConfig()
         #: env indices whose results in the latest recv were synthesized by a restart.
         self.last_restarted_envs: list[int] = []
-        self._resources = _Resources(self.config)
-        self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
-        self._outstanding = dict.fromkeys(Kind, 0)
+        self._resources = Resources(self.config)
+        self._finalizer = weakref.finalize(self, Resources.release, self._resources)
         self._batch_stats = BatchStats()
         super().__init__(
             env_makers,
@@ -234,34 +188,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise
 
     def _start(self) -> tuple[Any, Any]:
-        self._ledger = Ledger(self.num_envs)
-        self._broker = self._make_broker()
-        self._resources.broker = self._broker
-        self._worker_envs = self._plan_workers()
-        remote = None
-        if self.remote_envs:
-            indices = list(range(self.num_local_envs, self.num_envs))
-            remote = RemoteSlots(indices, self.config.rejoin_timeout_s)
-        self._registrar = Registrar(
-            self._ledger, self._worker_envs, remote, same_specs=self.stack == "dense"
-        )
-        self._broker.admit = self._registrar.admit
-        self._launcher = Launcher(self.config.fork_server, self.config.register_timeout_s)
-        self._resources.launcher = self._launcher
-        for worker_index in range(len(self._worker_envs)):
-            self._spawn(worker_index)
-        self._await_registration()
-        self._supervisor = Supervisor(
-            self._broker,
-            self._ledger,
-            self.config,
-            self._worker_envs,
-            self._registrar.local_identities,
-            self._spawn,
-            remote=remote,
-            restart_on_env_error=self.on_env_error == "restart",
-        )
-        self._child_specs = [spec_from_data(self._registrar.specs[i]) for i in range(self.num_envs)]
+        self._runtime = Runtime(self._plan(), self._resources)
+        spec_data = self._runtime.start()
+        self._child_specs = [spec_from_data(data) for data in spec_data]
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
         self._assembler = Assembler(
             self.stack, self._stack_func, self._child_specs, self.config.zero_copy_threshold_bytes
@@ -271,96 +200,25 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # non-tensor examples differ) shares the children, which torchrl then edits.
         return specs["output_spec"].clone(), specs["input_spec"].clone()
 
-    def _make_broker(self) -> Broker:
-        if self.local_transport == "tcp":
-            local = Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-        else:
-            local = ipc_endpoints(self._resources.directory)
-        tcp = tcp_endpoints(self.bind) if self.bind else None
-        keys = ServerKeys.from_dir(self.curve_keys) if self.curve_keys else None
-        return Broker(self._ledger, self.config, local, tcp, keys)
+    def _plan(self) -> PoolPlan:
+        return PoolPlan(
+            config=self.config,
+            env_makers=self.env_makers,
+            create_env_kwargs=self.create_env_kwargs,
+            num_local_envs=self.num_local_envs,
+            envs_per_worker=self.envs_per_worker,
+            worker_affinity=self._worker_affinity,
+            same_specs=self.stack == "dense",
+            restart_on_env_error=self.on_env_error == "restart",
+            bind=self.bind,
+            curve_keys=self.curve_keys,
+            local_transport=self.local_transport,
+        )
 
     @property
     def remote_endpoint(self) -> str | None:
         """Where remote workers connect (``--connect``), once bound."""
-        return self._broker.tcp.router if self._broker.tcp else None
-
-    def _plan_workers(self) -> list[tuple[int, ...]]:
-        per, n = self.envs_per_worker, self.num_local_envs
-        return [tuple(range(s, min(s + per, n))) for s in range(0, n, per)]
-
-    def _identity(self, worker_index: int) -> bytes:
-        return self._registrar.identity(worker_index)
-
-    def _spawn(self, worker_index: int) -> None:
-        indices = self._worker_envs[worker_index]
-        payload = pickle_recipes(
-            indices,
-            [self.env_makers[i] for i in indices],
-            [self.create_env_kwargs[i] for i in indices],
-        )
-        identity = self._identity(worker_index)
-        argv = worker_argv(
-            self._broker.router_ep,
-            identity.decode(),
-            indices,
-            self.config.heartbeat_interval_s,
-            self.config.env_threads,
-        )
-        affinity = None if self._worker_affinity is None else self._worker_affinity[worker_index]
-        process = self._launcher.start(argv, payload, affinity)
-        self._resources.processes[identity] = process
-        self._broker.watch(identity, process)
-
-    def _await_registration(self) -> None:
-        deadline = time.monotonic() + self.config.register_timeout_s
-        while len(self._registrar.specs) < self.num_envs:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RegistrationError(self._missing_message())
-            self._broker.poll(min(remaining, 0.1))
-            for event in self._broker.take_events():
-                self._on_setup_event(event)
-
-    def _missing_message(self) -> str:
-        missing = sorted(set(range(self.num_envs)) - set(self._registrar.specs))
-        text = f"envs {missing} did not register within {self.config.register_timeout_s} s"
-        remote = [e for e in missing if e >= self.num_local_envs]
-        if remote:
-            text += (
-                f"; remote envs {remote} wait for workers to connect to {self.remote_endpoint} "
-                "(python -m workers --connect ... --env package.module:callable)"
-            )
-        return text
-
-    def _envs_of(self, identity: bytes) -> list[int]:
-        """The env indices of one of our local workers."""
-        return list(self._worker_envs[self._registrar.local_identities[identity]])
-
-    def _on_setup_event(self, event: Event) -> None:
-        if event.kind == "failed":
-            detail = event.detail
-            if detail.get("kind") == "register":  # built, but its REGISTER could not be sent
-                raise RegistrationError(f"env {detail['env']}: {detail['err']}")
-            if detail.get("kind") == "version":
-                envs = self._envs_of(event.identity)
-                raise VersionMismatchError(
-                    f"the worker of envs {envs} runs another zmqpool than this trainer "
-                    f"({detail['err']}); it imports zmqpool from its working directory or "
-                    "sys.path: check both load the same install"
-                )
-            raise EnvMakerError(detail["env"], str(detail["err"]), str(detail["tb"]))
-        if event.kind == "exited":
-            # A FAILED message may still be in flight: give it a moment to arrive.
-            self._broker.poll(0.5)
-            for other in self._broker.take_events():
-                if other.kind == "failed":
-                    self._on_setup_event(other)
-            envs = self._envs_of(event.identity)
-            raise RegistrationError(
-                f"the worker of envs {envs} exited with status {event.detail['status']} "
-                "before registering (see its stderr above)"
-            )
+        return self._runtime.remote_endpoint
 
     # ------------------------------------------------------------ torchrl hooks
 
@@ -375,18 +233,22 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def resolved_exchange(self) -> str:  # type: ignore[override]
         return "zmq"
 
-    # torchrl's base methods read these counters to refuse overlapping calls.
+    # torchrl's base methods read these counters to refuse overlapping calls: one
+    # accounting, the ledger's, of the batch requests no recv has taken yet.
     @property
     def _current_step(self) -> int:
-        return self._outstanding[Kind.STEP]
+        return self._awaiting(Kind.STEP)
 
     @property
     def _current_reset(self) -> int:
-        return self._outstanding[Kind.RESET]
+        return self._awaiting(Kind.RESET)
 
     @property
     def _current_step_reset(self) -> int:
-        return self._outstanding[Kind.STEP_RESET]
+        return self._awaiting(Kind.STEP_RESET)
+
+    def _awaiting(self, kind: Kind) -> int:
+        return self._runtime.awaiting((kind, None))
 
     # ------------------------------------------------------------ sync API
 
@@ -436,7 +298,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _check_idle(self, kind: Kind) -> None:
         self._check_open()
-        if self._outstanding[kind] > 0:
+        if self._awaiting(kind) > 0:
             raise RuntimeError("Some envs are still processing a step.")
 
     # ------------------------------------------------------------ sending
@@ -459,7 +321,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         per_env = isinstance(env_index, int)
         kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
         kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
-        self._refuse_lost(env_idx)
+        self._runtime.refuse_lost(env_idx)
         if not per_env:
             busy = self._busy.intersection(env_idx)
             if busy:
@@ -471,13 +333,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # Every payload is built (and refused if it cannot cross the wire) before any is sent.
         payloads = self._assembler.payloads(tensordict)
         for env, payload in zip(env_idx, payloads, strict=True):
-            self._broker.send(env, command, payload, per_env, inputs=payload)
+            self._runtime.send(env, command, payload, per_env)
         if kind != Kind.RESET:
             for env in env_idx:
                 self._batch_stats.record_action(env)
         if not per_env:
             self._busy.update(env_idx)
-            self._outstanding[kind] += len(env_idx)
 
     def _maybe_make_tensordict(
         self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
@@ -545,12 +406,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
         env_idx = self._check_indices(list(env_idx), tensordict)
         return tensordict, env_idx
-
-    def _refuse_lost(self, env_idx: list[int]) -> None:
-        for env in env_idx:
-            lost = self._ledger.slots[env].lost
-            if lost is not None:
-                raise lost
 
     def _check_env_index_arg(self, env_index: Any) -> None:
         if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
@@ -637,11 +492,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if env_index is not None:
             self._check_env_index_arg(env_index)
             self._check_awaited((kind, env_index))
-            return self._note_restarted(self._collect((kind, env_index), 1, 1, None))
+            channel: Channel = (kind, env_index)
+            replies = self._runtime.collect(channel, 1, 1, None, self._raise_taken)
+            return self._note_restarted(replies)
         min_get = self.min_get if min_get is None else min_get
         self._check_recv_args(kind, min_get, max_get, timeout)
-        replies = self._note_restarted(self._collect((kind, None), min_get, max_get, timeout))
-        self._outstanding[kind] -= len(replies)
+        replies = self._runtime.collect((kind, None), min_get, max_get, timeout, self._raise_taken)
+        replies = self._note_restarted(replies)
         self._busy.difference_update(r.env for r in replies)
         return replies
 
@@ -651,7 +508,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _check_awaited(self, channel: Channel) -> None:
         """An env's own channel: refuse a recv that nothing was sent for (it would wait forever)."""
-        if self._ledger.count_ready(channel) or self._ledger.in_flight(channel):
+        if self._runtime.awaiting(channel):
             return
         raise RuntimeError(
             f"env {channel[1]} has no {channel[0].value} in flight on its own channel: "
@@ -665,79 +522,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise ValueError(f"max_get ({max_get}) must be >= min_get ({min_get}).")
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be non-negative, got {timeout}.")
-        if min_get > self._outstanding[kind]:
+        if min_get > self._awaiting(kind):
             raise RuntimeError(
                 f"Cannot await {min_get} {kind.value} when only "
-                f"{self._outstanding[kind]} are in flight."
+                f"{self._awaiting(kind)} are in flight."
             )
 
-    def _collect(
-        self, channel: Channel, min_get: int, max_get: int | None, timeout: float | None
-    ) -> list[Reply]:
-        """Wait (up to ``timeout``) for ``min_get`` replies, then batch until the deadline.
-
-        Without a ``timeout``, what else is ready now is taken and nothing is
-        waited for; with one, the call keeps collecting until the deadline or
-        until ``max_get`` replies (or every request of the channel) are in.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        drained = self._pump(0)
-        while self._ledger.count_ready(channel) < min_get:
-            self._raise_ready_error(channel)
-            remaining = self._remaining(deadline)
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"async recv timed out: {self._ledger.count_ready(channel)}/{min_get} results "
-                    f"after {timeout}s; they remain available to the next call."
-                )
-            drained = self._pump(remaining)
-        if deadline is not None:
-            drained = self._batch_until(channel, max_get, deadline, drained)
-        if not drained:  # a pump that read everything just now left nothing to take
-            self._pump(0)
-        self._raise_ready_error(channel)
-        return sorted(self._ledger.take(channel, max_get), key=lambda r: r.env)
-
-    def _batch_until(
-        self, channel: Channel, max_get: int | None, deadline: float, drained: bool
-    ) -> bool:
-        """Deadline batching: pump until ``deadline`` or until there is nothing more to wait for."""
-        wanted = self._outstanding[channel[0]] if channel[1] is None else 1
-        if max_get is not None:
-            wanted = min(wanted, max_get)
-        while self._ledger.count_ready(channel) < wanted:
-            if self._ledger.first_error(channel) is not None:
-                break
-            remaining = self._remaining(deadline)
-            if remaining <= 0:
-                break
-            drained = self._pump(remaining)
-        return drained
-
-    def _remaining(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.config.heartbeat_interval_s
-        return min(deadline - time.monotonic(), self.config.heartbeat_interval_s)
-
-    def _pump(self, timeout_s: float) -> bool:
-        """Move frames in, then let the supervisor act on deaths, timers and silences.
-
-        Returns whether every socket was read to the end.
-        """
-        wake = self._supervisor.next_wakeup() - time.monotonic()
-        drained = self._broker.poll(max(0.0, min(timeout_s, wake)))
-        for event in self._broker.take_events():
-            self._supervisor.on_event(event)
-        self._supervisor.tick(time.monotonic(), judge=drained)
-        return drained
-
-    def _raise_ready_error(self, channel: Channel) -> None:
-        reply = self._ledger.first_error(channel)
-        if reply is None:
-            return
-        self._ledger.remove(channel, reply)
-        if channel[1] is None:
-            self._outstanding[channel[0]] -= 1
+    def _raise_taken(self, reply: Reply) -> NoReturn:
+        """Raise the error a reply carries; a batch reply no longer counts as in flight."""
+        if reply.pending.channel[1] is None:
             self._busy.discard(reply.env)
         assert reply.error is not None
         raise reply.error
@@ -749,11 +542,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if self._busy:
             raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
-        for env in range(self.num_envs):
-            body = {"seed": None if seed is None else int(seed) + env}
-            self._broker.send(env, Command.SEED, None, True, inputs=None, body=body)
-        for env in range(self.num_envs):
-            self._collect((Kind.RESET, env), 1, 1, self.config.register_timeout_s)
+        self._runtime.set_seed(seed, self._raise_taken)
 
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
         """torchrl's batch figures (``batches``, ``items``, ``avg_batch_size``, ...).
@@ -778,9 +567,10 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             >>> pool.env_stats()[0]["restarts"]  # doctest: +SKIP
             0
         """
-        result = {slot.index: env_stats(slot) for slot in self._ledger.slots}
+        slots = self._runtime.ledger.slots
+        result = {slot.index: env_stats(slot) for slot in slots}
         if reset:
-            for slot in self._ledger.slots:
+            for slot in slots:
                 slot.latencies_s.clear()
         return result
 
@@ -793,14 +583,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     @property
     def fork_server_pid(self) -> int | None:
         """The pid of the fork server that local workers are forked from (None: none running)."""
-        return self._launcher.fork_server_pid
+        return self._runtime.launcher.fork_server_pid
 
     def worker_processes(self) -> dict[int, WorkerProcess]:
         """Each local worker's process (``pid``, ``exit_status()``), by worker index.
 
         A worker being restarted is absent. Remote workers are not ours to list.
         """
-        return self._supervisor.worker_processes()
+        return self._runtime.worker_processes()
 
     def worker_pid(self, env_index: int) -> int | None:
         """The pid of the local process hosting env ``env_index`` now.

@@ -26,7 +26,7 @@ error)::
     Stacked            dim: int, specs: [leaf spec, ...]       (heterogeneous stack)
 
 ``shape`` is a list of ints, ``device`` is None or ``"cpu"``, ``dtype`` a name
-from :mod:`zmqpool.wire`'s dtype whitelist (``"float32"``, ``"bfloat16"``,
+from :mod:`zmqpool.layout`'s dtype whitelist (``"float32"``, ``"bfloat16"``,
 ``"bool"``...). ``T`` is a tensor ``{"dtype": str, "shape": [int], "data":
 bytes}``: its elements' raw little-endian bytes in C order, so every dtype
 crosses bit-exactly. ``E`` is a tensor sent broadcast, the same dict plus
@@ -44,19 +44,20 @@ A ``Composite.data_cls`` travels by name, and only a tensorclass's (what
 torchrl's ``EnvWithTensorClass`` declares): ``data_cls`` is absent when it
 is None, so such specs are the bytes they were before it existed (a peer
 that predates it refuses the key, cleanly). It is looked up as
-:func:`zmqpool.wire.resolve_tensorclass` does for the wire's tensordicts,
+:func:`zmqpool.classnames.resolve_tensorclass` does for the wire's tensordicts,
 never imported: a malformed name, or one naming anything but a tensorclass
 whose fields include every entry, is a ``ProtocolError``; a class not loaded
 in this process gives the spec ``data_cls=None`` and one
-:class:`~zmqpool.wire.TensorclassNotLoadedWarning` naming the module to
+:class:`~zmqpool.classnames.TensorclassNotLoadedWarning` naming the module to
 import (its values then arrive as plain TensorDicts too).
 
 Decoding trusts nothing: every malformed input raises
 :class:`~zmqpool.errors.ProtocolError` naming the spec's path and the field.
-Shapes are capped at :data:`MAX_DIMS` dims and :data:`MAX_NUMEL` elements,
-the tensor leaves of one tree (all but NonTensor) at :data:`MAX_NUMEL`
-elements and :data:`MAX_SPEC_BYTES` bytes together, and spec nesting at
-:data:`MAX_DEPTH`. Tensors are sized
+Shapes are capped at :data:`~zmqpool.limits.MAX_DIMS` dims (a wire leaf's limit:
+the tensors a spec describes travel as leaves) and :data:`~zmqpool.limits.MAX_NUMEL`
+elements, the tensor leaves of one tree (all but NonTensor) at ``MAX_NUMEL``
+elements and :data:`~zmqpool.limits.MAX_SPEC_BYTES` bytes together, and spec
+nesting at :data:`~zmqpool.limits.MAX_DEPTH` (all in :mod:`zmqpool.limits`). Tensors are sized
 from the bytes actually received, except what is materialised from a shape
 alone: ``Unbounded``'s low/high (torchrl's doing) and a broadcast bound, which
 must expand to its leaf's shape exactly (checked before anything is
@@ -100,34 +101,12 @@ from torchrl.data.tensor_specs import (
     UnboundedDiscrete,
 )
 
+from zmqpool.classnames import resolve_tensorclass, tensorclass_fields, tensorclass_name
 from zmqpool.errors import ProtocolError
-from zmqpool.wire import (
-    dtype_from_name,
-    dtype_name,
-    resolve_tensorclass,
-    tensorclass_fields,
-    tensorclass_name,
-)
+from zmqpool.layout import dtype_from_name, dtype_name
+from zmqpool.limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_SPEC_BYTES
 
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_DIMS",
-    "MAX_NUMEL",
-    "MAX_SPEC_BYTES",
-    "spec_from_data",
-    "spec_to_data",
-]
-
-#: Largest number of elements of one shape, and of one tree's tensor leaves together.
-MAX_NUMEL = 2**31
-#: Largest number of bytes one tree's tensor leaves may hold together (1 GiB).
-#: torchrl materialises a leaf's bounds at its full shape (twice: low and
-#: high), so a few bytes of spec data could otherwise cost the pool tens of GB.
-MAX_SPEC_BYTES = 2**30
-#: Largest number of dims a shape may have.
-MAX_DIMS = 32
-#: Deepest nesting of Composite / stacked specs, and of ``example_data``.
-MAX_DEPTH = 32
+__all__ = ["spec_from_data", "spec_to_data"]
 
 _CPU = torch.device("cpu")
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})

@@ -22,7 +22,8 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from zmqpool.wire import Command, DecodedPart
+from zmqpool.codec import DecodedPart
+from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
 
@@ -106,6 +107,9 @@ class Ledger:
         self.slots = [EnvSlot(i) for i in range(num_envs)]
         self.ready: dict[Channel, list[Reply]] = {}
         self.dropped: dict[str, int] = {}
+        # Requests opened on each channel and not yet taken by a recv (in flight or
+        # ready): the one count behind torchrl's ``_current_step`` and friends.
+        self._awaiting: dict[Channel, int] = {}
 
     def open_request(
         self,
@@ -122,6 +126,7 @@ class Ledger:
         pending = Pending(slot.next_seq, command, channel, inputs, payload, body, now)
         slot.next_seq += 1
         slot.in_flight.append(pending)
+        self._awaiting[channel] = self._awaiting.get(channel, 0) + 1
         return pending
 
     def restamp(self, env: int, pending: Pending) -> None:
@@ -171,6 +176,7 @@ class Ledger:
         ready = self.ready.get(channel, [])
         count = len(ready) if max_get is None else min(max_get, len(ready))
         taken, self.ready[channel] = ready[:count], ready[count:]
+        self._awaiting[channel] -= len(taken)
         return taken
 
     def count_ready(self, channel: Channel) -> int:
@@ -183,7 +189,10 @@ class Ledger:
         return None
 
     def remove(self, channel: Channel, reply: Reply) -> None:
+        """Take one ready reply out (an error, raised by the recv instead of returned)."""
         self.ready[channel].remove(reply)
+        self._awaiting[channel] -= 1
 
-    def in_flight(self, channel: Channel) -> int:
-        return sum(1 for slot in self.slots for p in slot.in_flight if p.channel == channel)
+    def awaiting(self, channel: Channel) -> int:
+        """Requests opened on ``channel`` that no recv has taken yet (in flight or ready)."""
+        return self._awaiting.get(channel, 0)

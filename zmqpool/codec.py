@@ -1,0 +1,711 @@
+"""The codec: tensordicts to frames and back, on both sides of the wire.
+
+This module owns turning one tensordict into a part's frames
+(:class:`Encoder`, which announces each :class:`~zmqpool.layout.Layout` once
+per connection) and a message's frames back into parts (:class:`Decoder`,
+which checks every frame against its announced layout before touching it),
+parts into tensordicts (:func:`tensordict_from_leaves`), lazy stacks and
+tensorclasses included, and what a worker asks of a tensordict before sending
+it (:func:`check_crossable`, :func:`leaf_state`). The format it speaks is
+described, once, in :mod:`zmqpool.wire`; the layouts it lays tensors out by
+are :mod:`zmqpool.layout`'s. Both sides use it; batching rows and replies is
+the trainer's alone (:mod:`zmqpool.batching`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+import torch
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_tensorclass,
+)
+
+from zmqpool.classnames import clipped, is_non_tensor_class, tensorclass_name
+from zmqpool.errors import ProtocolError
+from zmqpool.layout import (
+    ALIGN,
+    DTYPE_NAMES,
+    Branch,
+    ClassNode,
+    Key,
+    Layout,
+    LazyNode,
+    Leaf,
+    build_layout,
+    member_name,
+)
+from zmqpool.limits import MAX_FRAME_BYTES, MAX_LAYOUT_ID, is_int
+
+if TYPE_CHECKING:
+    from zmqpool.wire import Header
+
+#: Leaves of at least this many bytes travel as their own zero-copy frame.
+#: Measured with ``scripts/bench.py --probe-threshold`` (CPU per message, sender
+#: and receiver, a leaf packed against in its own frame; docs/PERFORMANCE.md):
+#: below 64 KiB its own frame costs 1-12% more, from 64 KiB it saves 10%, at
+#: 1 MiB 78%. 64 KiB is also pyzmq's ``COPY_THRESHOLD``: below it, pyzmq copies
+#: a "zero-copy" frame anyway, so a frame of its own only adds a frame.
+ZERO_COPY_THRESHOLD = 64 * 1024
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # bfloat16: numpy has no such type
+        return None
+
+
+#: The numpy twin of each wire dtype (None where numpy has none): numpy slices
+#: and copies small arrays several times faster than torch dispatches ops.
+NUMPY_DTYPES = {dtype: _numpy_dtype(dtype) for dtype in DTYPE_NAMES}
+
+
+# ---------------------------------------------------------------- encoding
+
+
+@dataclasses.dataclass(slots=True)
+class EncodedPart:
+    """A tensordict ready to send: its layout id, frames and non-tensor values."""
+
+    layout_id: int
+    new_layout: dict[str, Any] | None
+    frames: list[Any]
+    nontensor: list[Any] | None
+
+
+class Encoder:
+    """Turns tensordicts into frames; remembers the layouts it announced.
+
+    One encoder per connection: a layout is announced in full the first time
+    it is used and referred to by id afterwards. ``forget()`` after the peer
+    was replaced (a re-registration), so layouts are announced again.
+    """
+
+    def __init__(self, zero_copy_threshold: int = ZERO_COPY_THRESHOLD) -> None:
+        self.zero_copy_threshold = zero_copy_threshold
+        # signature (a tensordict's) or Layout (a packed part's) -> (layout id, layout)
+        self._ids: dict[tuple | Layout, tuple[int, Layout]] = {}
+        self._announced: set[int] = set()
+        # id(layout) -> (layout id, layout): the layout is held, so the id stays its own.
+        self._by_layout: dict[int, tuple[int, Layout]] = {}
+
+    def forget(self) -> None:
+        self._announced.clear()
+
+    def encode(self, td: TensorDictBase | DecodedPart) -> EncodedPart:
+        """``td``'s frames; a :class:`DecodedPart` (a packed row) is already frames."""
+        if isinstance(td, DecodedPart):
+            return self._encode_part(td)
+        flat = flatten(td)
+        signature: tuple = (
+            tuple(td.batch_size),
+            tuple((key, t.dtype, tuple(t.shape)) for key, t in flat.tensors),
+            tuple(flat.nontensor_keys),
+            tuple(flat.stacked),
+            tuple(flat.branches),
+        )
+        if flat.lazy:  # a longer signature: never equal to one without lazy stacks
+            signature += (tuple(flat.lazy),)
+        if flat.classes:  # tagged: never equal to a lazy stack's
+            signature += (("c", tuple(flat.classes)),)
+        layout_id, layout = self._layout_for(signature, flat, td.batch_size)
+        frames = _pack(layout, [t for _, t in flat.tensors])
+        values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
+        return EncodedPart(layout_id, self._announce(layout_id, layout), frames, values or None)
+
+    def _encode_part(self, part: DecodedPart) -> EncodedPart:
+        layout = part.layout
+        known = self._by_layout.get(id(layout))
+        if known is None or known[1] is not layout:
+            # Keyed by the layout itself: its frames are laid out already, maybe
+            # by another threshold than ours, so a tensordict's id will not do.
+            known = self._ids.setdefault(layout, (len(self._ids), layout))
+            self._by_layout[id(layout)] = (known[0], layout)
+        layout_id = known[0]
+        nontensor = list(part.nontensor) or None
+        return EncodedPart(layout_id, self._announce(layout_id, layout), part.buffers, nontensor)
+
+    def _announce(self, layout_id: int, layout: Layout) -> dict[str, Any] | None:
+        """The layout in full the first time its id is used on this connection, else None."""
+        if layout_id in self._announced:
+            return None
+        self._announced.add(layout_id)
+        return layout.to_data()
+
+    def _layout_for(self, signature, flat: _Flat, batch_size) -> tuple[int, Layout]:
+        known = self._ids.get(signature)
+        if known is not None:
+            return known
+        specs = [
+            (key, t.dtype, tuple(t.shape), t.numel() * t.element_size() >= self.zero_copy_threshold)
+            for key, t in flat.tensors
+        ]
+        layout = build_layout(
+            tuple(batch_size),
+            specs,
+            tuple(flat.nontensor_keys),
+            flat.branches,
+            flat.stacked,
+            flat.lazy,
+            *_named(flat.classes),
+        )
+        known = (len(self._ids), layout)
+        self._ids[signature] = known
+        return known
+
+
+@dataclasses.dataclass(slots=True)
+class _Flat:
+    """A tensordict's leaves in key order, and what its tree needs beyond their keys."""
+
+    tensors: list[tuple[Key, torch.Tensor]] = dataclasses.field(default_factory=list)
+    nontensor_keys: list[Key] = dataclasses.field(default_factory=list)
+    nontensor: list[Any] = dataclasses.field(default_factory=list)
+    stacked: list[bool] = dataclasses.field(default_factory=list)
+    branches: list[Branch] = dataclasses.field(default_factory=list)
+    lazy: list[LazyNode] = dataclasses.field(default_factory=list)
+    classes: list[tuple[Key, type]] = dataclasses.field(default_factory=list)
+
+
+def flatten(td: TensorDictBase) -> _Flat:
+    flat = _Flat()
+    if not isinstance(td, TensorDictBase):  # a tensorclass part
+        td = _unwrap(td, (), flat)
+    if isinstance(td, LazyStackedTensorDict) and not isinstance(td, NonTensorStack):
+        _walk_lazy(td, (), flat)
+    else:
+        _walk(td, (), tuple(td.batch_size), flat)
+    return flat
+
+
+def _walk(td: TensorDictBase, prefix: Key, batch: tuple[int, ...], flat: _Flat) -> None:
+    for name, value in td.items():
+        key = (*prefix, name)
+        if isinstance(value, torch.Tensor):
+            flat.tensors.append((key, value))
+        elif isinstance(value, (NonTensorData, NonTensorStack)):
+            flat.nontensor_keys.append(key)
+            flat.nontensor.append(value)
+            flat.stacked.append(isinstance(value, NonTensorStack))
+        elif isinstance(value, LazyStackedTensorDict):  # not a NonTensorStack: handled above
+            flat.branches.append((key, tuple(value.batch_size)))
+            _walk_lazy(value, key, flat)
+        elif isinstance(value, TensorDictBase):  # a nested tensordict
+            sub = tuple(value.batch_size)
+            if sub != batch or not value.keys():
+                flat.branches.append((key, sub))
+            _walk(value, key, sub, flat)
+        else:  # a tensorclass: always a branch, so that the layout can name it
+            inner = _unwrap(value, key, flat)
+            flat.branches.append((key, tuple(inner.batch_size)))
+            if _is_lazy(inner):
+                _walk_lazy(inner, key, flat)
+            else:
+                _walk(inner, key, tuple(inner.batch_size), flat)
+
+
+def _unwrap(value: Any, key: Key, flat: _Flat) -> TensorDictBase:
+    """The tensordict a tensorclass at ``key`` wraps, its class noted in ``flat``.
+
+    A field a tensorclass holds outside its tensordict (tensordict keeps only
+    ``None`` there for a user's class) travels as a non-tensor under ``key``.
+    """
+    cls = type(value)
+    if not is_tensorclass(cls) or is_non_tensor_class(cls):
+        raise ProtocolError(
+            f"entry {'/'.join(key) or '(the root)'} is a {cls.__name__}, which cannot cross "
+            "the wire"
+        )
+    flat.classes.append((key, cls))
+    inner = value._tensordict
+    for name, data in value._non_tensordict.items():
+        if data is not None:
+            flat.nontensor_keys.append((*key, name))
+            flat.nontensor.append(NonTensorData(data=data, batch_size=inner.batch_size))
+            flat.stacked.append(False)
+    return inner
+
+
+def _is_lazy(value: Any) -> bool:
+    # A NonTensorStack is a LazyStackedTensorDict too, but it travels as plain data.
+    return isinstance(value, LazyStackedTensorDict) and not isinstance(value, NonTensorStack)
+
+
+def _walk_lazy(lazy: LazyStackedTensorDict, key: Key, flat: _Flat) -> None:
+    """A lazy stack's members, each a branch at ``(*key, "#i")``, never densified."""
+    members = lazy.tensordicts
+    if not members:
+        raise ProtocolError(f"lazy stack {'/'.join(key) or '(the root)'} has no members")
+    flat.lazy.append((key, lazy.stack_dim, len(members)))
+    for i, member in enumerate(members):
+        member_key = (*key, member_name(i))
+        if not isinstance(member, (TensorDictBase, NonTensorData)) and is_tensorclass(member):
+            member = _unwrap(member, member_key, flat)
+        if not isinstance(member, TensorDictBase) or isinstance(
+            member, (NonTensorData, NonTensorStack)
+        ):
+            raise ProtocolError(
+                f"member {i} of lazy stack {'/'.join(key) or '(the root)'} is a "
+                f"{type(member).__name__}, not a tensordict; it cannot cross the wire"
+            )
+        sub = tuple(member.batch_size)
+        flat.branches.append((member_key, sub))
+        if _is_lazy(member):
+            _walk_lazy(member, member_key, flat)
+        else:
+            _walk(member, member_key, sub, flat)
+
+
+def leaf_state(td: TensorDictBase, skip: str = "next") -> tuple:
+    """What changes when code edits ``td`` in place: each leaf's key, identity and version.
+
+    Leaves under the top-level key ``skip`` are left out. A worker compares
+    this before and after an env's step to tell whether the env wrote into
+    its input (then the input travels back: the pool's copy would be stale).
+    """
+    flat = flatten(td)
+    tensors = tuple((key, id(t), t._version) for key, t in flat.tensors if key[0] != skip)
+    others = tuple(
+        (key, id(v))
+        for key, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)
+        if key[0] != skip
+    )
+    return tensors, others
+
+
+def check_crossable(td: TensorDictBase) -> None:
+    """Refuse, naming the entry, a tensordict that the encoder could not put on the wire.
+
+    Its tensors must have a wire dtype and its non-tensors be plain
+    (msgpack-able) data; raises :class:`~zmqpool.errors.ProtocolError` (a
+    ``ValueError``) otherwise.
+    """
+    flat = flatten(td)
+    for key, tensor in flat.tensors:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ProtocolError(
+                f"entry {'/'.join(key)} has dtype {tensor.dtype}, which cannot cross the wire"
+            )
+    for key, value in zip(flat.nontensor_keys, flat.nontensor, strict=True):
+        _plain(value, key)
+    for key, cls in flat.classes:
+        _class_name_at(key, cls)
+
+
+def _plain(value: Any, path: Key) -> Any:
+    data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
+    try:
+        msgpack.packb(data, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        raise ProtocolError(
+            f"non-tensor value at {'/'.join(path)} of type {type(data).__name__} "
+            "is not plain data (msgpack-able); it cannot cross the wire"
+        ) from None
+    return data
+
+
+def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:
+    # Through numpy: a tensor's array is one call, where torch dispatches a
+    # handful of ops per leaf (~50 us for five small leaves, ~10 us this way).
+    arrays = [as_array(t) for t in tensors]
+    frames: list[Any] = []
+    if layout.frame_sizes and not _all_own(layout):
+        frames.append(_join_packed(layout, arrays))
+    for leaf, array in zip(layout.leaves, arrays, strict=True):
+        if leaf.own_frame:
+            frames.append(np.ascontiguousarray(array))  # sent without a copy
+    return frames
+
+
+def _join_packed(layout: Layout, arrays: list[np.ndarray]) -> bytes:
+    """The packed frame: the small leaves' bytes, each at its aligned offset, zeros between."""
+    pieces, end = [], 0
+    for leaf, array in zip(layout.leaves, arrays, strict=True):
+        if leaf.own_frame:
+            continue
+        if leaf.offset > end:
+            pieces.append(_PADDING[: leaf.offset - end])
+        pieces.append(array.tobytes())  # C order, whatever the strides
+        end = leaf.offset + leaf.nbytes
+    return b"".join(pieces)
+
+
+_PADDING = bytes(ALIGN)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's values as a numpy array, sharing its memory where torch allows."""
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):
+        # It needs grad, has a lazy conj/neg bit, is not on the CPU, or numpy
+        # lacks its dtype: its bytes, through torch.
+        return _as_bytes_view(tensor).numpy()
+
+
+def _all_own(layout: Layout) -> bool:
+    return all(leaf.own_frame for leaf in layout.leaves)
+
+
+def _as_bytes_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view when already contiguous)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    # resolve_*: a lazily conjugated or negated view must travel as its values.
+    flat = tensor.resolve_conj().resolve_neg().reshape(-1)
+    if flat.stride(0) != 1:  # one or no element: reshape keeps a stride view() refuses
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+    return flat.view(torch.uint8)
+
+
+def layout_of(td: TensorDictBase) -> Layout:
+    """The layout of ``td`` with every leaf packed: what :func:`max_message_bytes` sizes.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> layout_of(TensorDict({"obs": torch.zeros(84, 84, 3)}, [])).packed_nbytes
+        84672
+    """
+    flat = flatten(td)
+    specs = [(key, t.dtype, tuple(t.shape), False) for key, t in flat.tensors]
+    return build_layout(
+        tuple(td.batch_size),
+        specs,
+        tuple(flat.nontensor_keys),
+        flat.branches,
+        flat.stacked,
+        flat.lazy,
+        *_named(flat.classes),
+    )
+
+
+def _named(classes: Sequence[tuple[Key, type]]) -> tuple[list[ClassNode], list[type | None]]:
+    """A tensordict's tensorclasses as a layout's nodes (key, wire name) and their classes."""
+    nodes = [(key, _class_name_at(key, cls)) for key, cls in classes]
+    return nodes, [cls for _, cls in classes]
+
+
+def _class_name_at(key: Key, cls: type) -> str:
+    try:
+        return tensorclass_name(cls)
+    except ProtocolError as err:
+        raise ProtocolError(f"entry {'/'.join(key) or '(the root)'}: {err}") from None
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(slots=True)
+class DecodedPart:
+    """A tensordict still in frames: its layout, its frames (sizes checked), its non-tensors.
+
+    Cheap to stack with others of its layout (:func:`zmqpool.batching.stack_parts` reads the
+    frames directly); ``tensors``, views on the frames, are made on first use.
+    """
+
+    layout: Layout
+    buffers: list[memoryview]
+    nontensor: list[Any]
+    _tensors: list[torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = _unpack(self.layout, self.buffers)
+        return self._tensors
+
+    def to_tensordict(self) -> TensorDictBase:
+        """A TensorDict (a LazyStackedTensorDict if the part is one lazy stack, an instance
+        of its tensorclass if it is one, and loaded)."""
+        return tensordict_from_leaves(self.layout, self.tensors, self.nontensor)
+
+
+class Decoder:
+    """Turns frames back into tensors, checking them against the known layouts.
+
+    One decoder per connection; its layouts are those the peer announced. A
+    layout with a frame larger than ``max_frame_bytes`` is refused when it is
+    announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive).
+    """
+
+    def __init__(self, max_layouts: int = 256, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_layouts = max_layouts
+        self.max_frame_bytes = max_frame_bytes
+        self._layouts: dict[int, Layout] = {}
+
+    def learn(self, body: Mapping[str, Any] | None) -> None:
+        """Take in the layouts a message announces (before decoding its parts)."""
+        announced = (body or {}).get("L")
+        if announced is None:
+            return
+        if not isinstance(announced, dict):
+            raise ProtocolError("announced layouts must be a map id -> layout")
+        for layout_id, data in announced.items():
+            if not is_int(layout_id) or not 0 <= layout_id < MAX_LAYOUT_ID:
+                raise ProtocolError(f"bad layout id {layout_id!r}")
+            if layout_id not in self._layouts and len(self._layouts) >= self.max_layouts:
+                raise ProtocolError(f"peer announced more than {self.max_layouts} layouts")
+            self._layouts[layout_id] = _intern(self._checked(Layout.from_data(data)))
+
+    def _checked(self, layout: Layout) -> Layout:
+        largest = max(layout.frame_sizes, default=0)
+        if largest > self.max_frame_bytes:
+            raise ProtocolError(
+                f"layout has a frame of {largest} bytes; this connection takes at most "
+                f"{self.max_frame_bytes}"
+            )
+        return layout
+
+    def decode(self, header: Header, frames: Sequence[Any]) -> list[DecodedPart]:
+        """Split ``frames`` (all frames after the header) into the header's parts."""
+        self.learn(header.body)
+        layouts = [self._layout(i) for i in header.layouts]
+        expected = sum(layout.num_frames for layout in layouts)
+        if len(frames) != expected:
+            raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
+        nontensor = _nontensor_lists(header.body, layouts)
+        parts, start = [], 0
+        for layout, values in zip(layouts, nontensor, strict=True):
+            chunk = frames[start : start + layout.num_frames]
+            parts.append(DecodedPart(layout, _checked_buffers(layout, chunk), values))
+            start += layout.num_frames
+        return parts
+
+    def _layout(self, layout_id: int) -> Layout:
+        layout = self._layouts.get(layout_id)
+        if layout is None:
+            raise ProtocolError(f"unknown layout id {layout_id}")
+        return layout
+
+
+#: Equal layouts learned on different connections, as one object: parts from
+#: any worker then share a layout by identity (:func:`~zmqpool.batching.stack_parts`'
+#: condition).
+#: Only an optimisation, so bounded crudely: a peer announcing layout after
+#: layout costs the sharing, not memory.
+_INTERNED: dict[Layout, Layout] = {}
+_MAX_INTERNED = 1024
+
+
+def _intern(layout: Layout) -> Layout:
+    if len(_INTERNED) >= _MAX_INTERNED:
+        _INTERNED.clear()
+    return _INTERNED.setdefault(layout, layout)
+
+
+def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> list[list[Any]]:
+    lists = (body or {}).get("nt")
+    if lists is None:
+        lists = [[] for _ in layouts]
+    if not isinstance(lists, list) or len(lists) != len(layouts):
+        raise ProtocolError("non-tensor values must be one list per part")
+    for values, layout in zip(lists, layouts, strict=True):
+        if not isinstance(values, list) or len(values) != len(layout.nontensor_keys):
+            raise ProtocolError("non-tensor values do not match the layout's keys")
+        if any(layout.stacked):
+            _check_stacks(layout, values)
+    return lists
+
+
+def _check_stacks(layout: Layout, values: list[Any]) -> None:
+    stacks = zip(
+        layout.nontensor_keys, layout.nontensor_batches, layout.stacked, values, strict=True
+    )
+    for key, batch, stacked, value in stacks:
+        if stacked and not _has_shape(value, batch):
+            raise ProtocolError(
+                f"non-tensor stack {'/'.join(key)} must be nested lists of shape {list(batch)}"
+            )
+
+
+def _has_shape(value: Any, shape: tuple[int, ...]) -> bool:
+    if not shape:
+        return True
+    if not isinstance(value, list) or len(value) != shape[0]:
+        return False
+    return all(_has_shape(item, shape[1:]) for item in value)
+
+
+def _buffer(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", frame)
+    try:
+        return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+    except TypeError:
+        raise ProtocolError(f"a frame must be bytes, not {type(frame).__name__}") from None
+
+
+def _checked_buffers(layout: Layout, frames: Sequence[Any]) -> list[memoryview]:
+    buffers = [_buffer(f) for f in frames]
+    for buffer, size in zip(buffers, layout.frame_sizes, strict=True):
+        if buffer.nbytes != size:
+            raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
+    return buffers
+
+
+def _unpack(layout: Layout, buffers: Sequence[memoryview]) -> list[torch.Tensor]:
+    """Views on (size-checked) buffers, one per leaf.
+
+    A read-only packed frame (zmq's) is copied once, so that its small leaves
+    are cheap numpy views; a large leaf's own frame is viewed as it is, no copy.
+    """
+    if buffers and buffers[0].readonly and not _all_own(layout):
+        buffers = [memoryview(bytearray(buffers[0])), *buffers[1:]]
+    if not any(buffer.readonly for buffer in buffers):
+        return [_numpy_view(buffers[leaf.frame], leaf) for leaf in layout.leaves]
+    flat = [_as_uint8(buffer) for buffer in buffers]
+    return [_torch_view(flat[leaf.frame], leaf) for leaf in layout.leaves]
+
+
+def _torch_view(flat: torch.Tensor, leaf: Leaf) -> torch.Tensor:
+    return flat[leaf.offset : leaf.offset + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
+
+
+def _numpy_view(buffer: memoryview, leaf: Leaf) -> torch.Tensor:
+    """A leaf of a writable buffer: one numpy view and ``from_numpy``, a third of torch's ops."""
+    dtype = NUMPY_DTYPES[leaf.dtype]
+    if dtype is None or not leaf.nbytes:
+        return _torch_view(_as_uint8(buffer), leaf)
+    array = np.frombuffer(buffer, dtype, leaf.nbytes // dtype.itemsize, leaf.offset)
+    return torch.from_numpy(array.reshape(leaf.shape))
+
+
+def _as_uint8(buffer: memoryview) -> torch.Tensor:
+    if buffer.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if not buffer.readonly:  # catch_warnings costs more than the view
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # zmq frames are read-only; tensors made from them are never written
+        # (the pool copies them into its batch), so torch's warning is noise.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def tensordict_from_leaves(
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    nontensor: Sequence[Any],
+    lead: tuple[int, ...] = (),
+) -> TensorDictBase:
+    """A TensorDict with ``layout``'s keys; ``lead``: extra leading dims (a stack of parts).
+
+    ``nontensor`` holds one value per non-tensor key, already shaped (a
+    ``NonTensorData``/``NonTensorStack``) when ``lead`` is given. A layout
+    whose part is a lazy stack gives a ``LazyStackedTensorDict``, one whose
+    part is a (loaded) tensorclass an instance of it.
+    """
+    if layout.lazy or layout.classes:
+        return _bottom_up(layout, tensors, nontensor, lead)
+    nested: dict[str, Any] = {}
+    for leaf, tensor in zip(layout.leaves, tensors, strict=True):
+        _insert(nested, leaf.key, tensor)
+    for key, batch in layout.branches:  # deepest first: children exist before parents
+        _insert(nested, key, TensorDict(_pop_branch(nested, key), batch_size=lead + batch))
+    # The layout is a checked tree whose leaves start with their batch sizes:
+    # TensorDict's per-leaf checks would find nothing, and cost ~1 us a leaf.
+    td = TensorDict._new_unsafe(nested, batch_size=torch.Size(lead + layout.batch_size))
+    for i, (key, value) in enumerate(zip(layout.nontensor_keys, nontensor, strict=True)):
+        if lead:
+            td.set(key, value)
+        elif layout.stacked[i]:
+            td.set(key, nontensor_stack(value, len(layout.nontensor_batches[i])))
+        else:
+            td.set_non_tensor(key, value)
+    return td
+
+
+def _bottom_up(
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    nontensor: Sequence[Any],
+    lead: tuple[int, ...],
+) -> Any:
+    """:func:`tensordict_from_leaves` for a layout with lazy stacks or tensorclasses.
+
+    Built bottom up: non-tensors go in with the leaves (set afterwards, a
+    member's key path would not resolve through its stack, nor a field's
+    through its tensorclass), and every branch is a validated TensorDict, or a
+    lazy stack of its members (built before it: deepest first), wrapped in its
+    tensorclass if it has one that is loaded.
+    """
+    nested: dict[str, Any] = {}
+    for leaf, tensor in zip(layout.leaves, tensors, strict=True):
+        _insert(nested, leaf.key, tensor)
+    for i, (key, value) in enumerate(zip(layout.nontensor_keys, nontensor, strict=True)):
+        _insert(nested, key, value if lead else _nontensor_value(layout, i, value))
+    nodes = {key: (dim, count) for key, dim, count in layout.lazy}
+    classes = {
+        key: cls
+        for (key, _), cls in zip(layout.classes, layout.class_types, strict=True)
+        if cls is not None
+    }
+    for key, batch in layout.branches:
+        parent = nested
+        for part in key[:-1]:
+            parent = parent.setdefault(part, {})
+        # In place: the branch keeps its position among its siblings.
+        children = parent.get(key[-1], {})
+        branch = _subtree(children, nodes.get(key), lead + batch, len(lead))
+        parent[key[-1]] = _as_class(classes[key], branch, key) if key in classes else branch
+    root = _subtree(nested, nodes.get(()), lead + layout.batch_size, len(lead))
+    return _as_class(classes[()], root, ()) if () in classes else root
+
+
+def _as_class(cls: Any, td: TensorDictBase, key: Key) -> Any:
+    """``td`` as an instance of tensorclass ``cls`` (checked: its keys are fields of it)."""
+    try:
+        return cls._from_tensordict(td)
+    except Exception as err:  # its __post_init__, if it has one, may refuse what it finds
+        raise ProtocolError(
+            f"tensorclass {tensorclass_name(cls)} at {'/'.join(key) or 'the part'} refused "
+            f"what was sent: {type(err).__name__}: {clipped(str(err), 300)}"
+        ) from err
+
+
+def _nontensor_value(layout: Layout, index: int, value: Any) -> TensorDictBase:
+    batch = layout.nontensor_batches[index]
+    if layout.stacked[index]:
+        return nontensor_stack(value, len(batch))
+    return NonTensorData(data=value, batch_size=batch)
+
+
+def _subtree(
+    children: dict[str, Any], node: tuple[int, int] | None, batch: tuple[int, ...], shift: int
+) -> TensorDictBase:
+    if node is None:
+        return TensorDict(children, batch_size=batch)
+    dim, count = node  # the layout was checked: exactly members #0..#count-1, of one batch size
+    members = [children[member_name(i)] for i in range(count)]
+    return LazyStackedTensorDict(*members, stack_dim=shift + dim)
+
+
+def _insert(nested: dict[str, Any], key: Key, value: Any) -> None:
+    # The layout was checked to be a tree (zmqpool.layout): no key collides.
+    for part in key[:-1]:
+        nested = nested.setdefault(part, {})
+    nested[key[-1]] = value
+
+
+def _pop_branch(nested: dict[str, Any], key: Key) -> dict[str, Any]:
+    for part in key[:-1]:
+        nested = nested.setdefault(part, {})
+    return nested.pop(key[-1], {})
+
+
+def nontensor_stack(value: Any, depth: int) -> NonTensorStack:
+    """Nested lists, ``depth`` levels deep, as a NonTensorStack (items may be lists too)."""
+    if depth == 1:
+        return NonTensorStack(*value)
+    return NonTensorStack(*(nontensor_stack(item, depth - 1) for item in value))

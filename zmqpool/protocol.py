@@ -1,0 +1,413 @@
+"""The control messages between a pool and its workers, and the frame I/O both sides share.
+
+:mod:`zmqpool.wire` owns frame 0 (the header) and the tensor frames; this
+module owns what goes in the header's ``body`` for the messages that set up,
+refuse and report a worker. Each is a frozen dataclass with ``to_body()``
+(the ``body`` map to put in a :class:`~zmqpool.wire.Header`) and
+``from_body(body)``, which checks every field's type, size and range before
+using it and raises :class:`~zmqpool.errors.ProtocolError` naming the field:
+bodies come from the network. A body with a key missing or a key it does not
+define is refused. Sizes are checked before anything is built from a field.
+
+The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
+
+    REGISTER   worker -> pool, ROUTER      {"reg": {...}}              Register
+        pid           int [0, 2**31)       the worker's process id
+        host          str <= 256 chars     its host name
+        envs          list of int          the env indices it hosts, as it knows them
+                      [0, 2**31), <= 1024  (a local worker: the pool's; a remote one: 0..K-1)
+        remote        bool                 asks for free remote slots
+        incarnation   bytes [1, 64]        new for every process: a repeat vs. a restart
+        slots         nil | list of int    the remote slots it asks for (nil: any free)
+                      [0, 2**31), <= 1024
+        specs         list of map, one per env, same length as envs: the env's specs
+                                           (:func:`zmqpool.specs.spec_to_data`), checked
+                                           by the pool with :func:`~zmqpool.specs.spec_from_data`
+
+    WELCOME    pool -> worker, ROUTER      {"reg": {...}}              Welcome
+        token         bytes [1, 64]        the session token its results must carry
+        envs          list of int          the pool's indices of its envs, in the order
+                      [0, 2**31), <= 1024  of the worker's own (sorted) indices
+        results       str [1, 1024 chars]  the results endpoint to PUSH to
+        beats         nil | str <= 1024    the pool's PING endpoint (remote workers)
+        epoch         bytes [1, 64]        this pool's identity; a new one: a new trainer
+        heartbeat_interval_s  float (0, 3600]  how often the pool PINGs
+        heartbeat_liveness    int [1, 10**6]   PINGs missed before the pool is lost
+
+    REFUSE     pool -> worker, ROUTER      {"err": str <= 4000 chars}  Refuse
+
+    FAILED     worker -> pool, ROUTER      {"err", "tb", "kind"}       Failed
+    ERROR      worker -> pool, PULL        the same fields                Failed
+        err           str <= 4000 chars    what went wrong, one line
+        tb            str <= 60000 chars   the worker's traceback (may be empty)
+        kind          str                  a :class:`FailureKind` value: FAILED says
+                                           "maker" or "register", ERROR "env" or "protocol"
+
+    PING       pool -> worker, PUB         {"epoch": bytes [1, 64]}    Ping
+
+HEARTBEAT and CLOSE carry no body. Text limits are in characters; at 4
+UTF-8 bytes a character at worst, a clipped FAILED stays under a quarter of
+:data:`~zmqpool.limits.MAX_CONTROL_BYTES`.
+
+The WELCOME carries every timing the worker shares with its pool: the
+worker judges the pool lost after ``heartbeat_liveness`` missed PINGs of
+``heartbeat_interval_s`` each, the pool's own ``PoolConfig`` values. What is
+only the worker's (how long it waits to register) is its own default,
+:data:`workers.loop.REGISTER_TIMEOUT_S`.
+
+Versions. These bodies are those of protocol version 2 (:data:`zmqpool.wire.
+PROTOCOL_VERSION`) with one key added, WELCOME's ``heartbeat_liveness``, and the
+version was not bumped for it: a version-2 worker ignores a key it does not
+know (and its own liveness, 10, is the pool's default), so it cannot misread
+the new WELCOME. The other way round, a worker of this module refuses a
+version-2 pool's WELCOME (a key missing) with a
+:class:`~zmqpool.errors.RegistrationError` telling the user to run the same
+zmqpool on both sides, rather than guess the pool's liveness.
+
+The frame helpers, :func:`send_frames` and :func:`recv_frames`, are the one
+copy of the fast multipart send and receive that the broker and the worker
+loop use; they touch a socket and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from zmqpool.errors import ProtocolError
+
+#: The most env indices (and specs) one worker registers, and one WELCOME assigns.
+MAX_WORKER_ENVS = 1024
+#: Bounds on the plain fields of control messages.
+MAX_HOST_CHARS = 256
+MAX_ENDPOINT_CHARS = 1024
+MAX_ID_BYTES = 64  # tokens, incarnations, epochs (the header's token limit too)
+MAX_INDEX = 2**31  # env indices, slots and pids are below this
+MAX_INTERVAL_S = 3600.0
+MAX_LIVENESS = 10**6
+#: The most characters of an error's text, and of its traceback, that a FAILED,
+#: ERROR or REFUSE message carries (see the module docstring for why).
+MAX_ERROR_CHARS = 4_000
+MAX_TRACEBACK_CHARS = 60_000
+
+
+class FailureKind(enum.StrEnum):
+    """Why a worker reports a failure, or why the pool gave up on one.
+
+    A ``StrEnum``: a kind compares equal to its wire string (``"env"``).
+    """
+
+    ENV = "env"  # ERROR: the env raised (with on_env_error="restart", a crash)
+    PROTOCOL = "protocol"  # ERROR: the command was malformed; the env never saw it
+    MAKER = "maker"  # FAILED: the env maker raised while building the env
+    REGISTER = "register"  # FAILED: built, but its REGISTER is too large to send
+    VERSION = "version"  # never on the wire: the pool found the worker speaks another version
+
+
+#: The kinds a peer may send (VERSION is the pool's own finding).
+_WIRE_KINDS = {kind.value: kind for kind in FailureKind if kind is not FailureKind.VERSION}
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _fields(body: Any, what: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    """``body`` as a map with exactly ``keys``, or ProtocolError."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{what} must be a map, got {type(body).__name__}")
+    if len(body) != len(keys) or set(body) != set(keys):
+        missing = sorted(set(keys) - set(body))
+        extra = sorted((repr(k) for k in body if k not in keys), key=str)[:5]
+        raise ProtocolError(f"{what}: missing keys {missing}, unknown keys {extra}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    """An int in ``[low, high)``."""
+    if not _is_int(value) or not low <= value < high:
+        raise ProtocolError(f"{field} must be an integer in [{low}, {high}), got {value!r:.40}")
+    return int(value)
+
+
+def _bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{field} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, field: str, high: int, low: int = 0) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{field} must be a string, got {type(value).__name__}")
+    if not low <= len(value) <= high:
+        raise ProtocolError(f"{field} must be {low} to {high} characters, got {len(value)}")
+    return value
+
+
+def _bytes(value: Any, field: str, high: int = MAX_ID_BYTES, low: int = 1) -> bytes:
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"{field} must be bytes, got {type(value).__name__}")
+    if not low <= len(value) <= high:
+        raise ProtocolError(f"{field} must be {low} to {high} bytes, got {len(value)}")
+    return value
+
+
+def _list(value: Any, field: str, high: int, low: int = 0) -> list[Any]:
+    """A list of ``low`` to ``high`` items: its length is checked before anything else."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{field} must be a list, got {type(value).__name__}")
+    if not low <= len(value) <= high:
+        raise ProtocolError(f"{field} must have {low} to {high} items, got {len(value)}")
+    return value
+
+
+def _indices(value: Any, field: str, low: int = 0) -> tuple[int, ...]:
+    items = _list(value, field, MAX_WORKER_ENVS, low)
+    return tuple(_int(item, f"{field}[{i}]", 0, MAX_INDEX) for i, item in enumerate(items))
+
+
+def _interval(value: Any, field: str) -> float:
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if number is None or not math.isfinite(number) or not 0 < number <= MAX_INTERVAL_S:
+        raise ProtocolError(f"{field} must be a number of seconds in (0, {MAX_INTERVAL_S}]")
+    return float(number)
+
+
+def clip_middle(text: str, limit: int) -> str:
+    """``text``, or if longer than ``limit`` characters its head and tail around a marker.
+
+    The tail gets two thirds: a traceback ends with the innermost frames and
+    the exception, what a reader looks for first; its head says where it began.
+
+    Example:
+        >>> print(clip_middle("a" * 300 + "b" * 600, 78))
+        aaaaaaaaaa
+        ... [870 characters cut] ...
+        bbbbbbbbbbbbbbbbbbbb
+    """
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - _MARKER_RESERVE)
+    head = keep // 3
+    marker = f"\n... [{len(text) - keep} characters cut] ...\n"
+    return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
+#: Characters set aside for clip_middle's marker (its count has at most 19 digits).
+_MARKER_RESERVE = 48
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """REGISTER: a worker offers its envs and their specs (fields: module docstring)."""
+
+    pid: int
+    host: str
+    envs: tuple[int, ...]
+    remote: bool
+    incarnation: bytes
+    slots: tuple[int, ...] | None
+    specs: tuple[dict[str, Any], ...]
+
+    _KEYS = ("pid", "host", "envs", "remote", "incarnation", "slots", "specs")
+
+    def to_body(self) -> dict[str, Any]:
+        reg = {
+            "pid": self.pid,
+            "host": self.host,
+            "envs": list(self.envs),
+            "remote": self.remote,
+            "incarnation": self.incarnation,
+            "slots": None if self.slots is None else list(self.slots),
+            "specs": list(self.specs),
+        }
+        return {"reg": reg}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Register:
+        reg = _fields(_fields(body, "REGISTER body", ("reg",))["reg"], "REGISTER reg", cls._KEYS)
+        envs = _indices(reg["envs"], "REGISTER envs", low=1)
+        specs = _list(reg["specs"], "REGISTER specs", MAX_WORKER_ENVS, low=1)
+        if len(specs) != len(envs):
+            raise ProtocolError(f"REGISTER carries {len(specs)} specs for {len(envs)} envs")
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, dict):
+                raise ProtocolError(f"REGISTER specs[{i}] must be a map")
+        slots = reg["slots"]
+        return cls(
+            pid=_int(reg["pid"], "REGISTER pid", 0, MAX_INDEX),
+            host=_str(reg["host"], "REGISTER host", MAX_HOST_CHARS),
+            envs=envs,
+            remote=_bool(reg["remote"], "REGISTER remote"),
+            incarnation=_bytes(reg["incarnation"], "REGISTER incarnation"),
+            slots=None if slots is None else _indices(slots, "REGISTER slots"),
+            specs=tuple(specs),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    """WELCOME: the pool admits a worker and tells it what it shares with the pool."""
+
+    token: bytes
+    envs: tuple[int, ...]
+    results: str
+    beats: str | None
+    epoch: bytes
+    heartbeat_interval_s: float
+    heartbeat_liveness: int
+
+    _KEYS = (
+        "token",
+        "envs",
+        "results",
+        "beats",
+        "epoch",
+        "heartbeat_interval_s",
+        "heartbeat_liveness",
+    )
+
+    @property
+    def pool_timeout_s(self) -> float:
+        """Silence from the pool after which a worker judges it lost."""
+        return self.heartbeat_interval_s * self.heartbeat_liveness
+
+    def to_body(self) -> dict[str, Any]:
+        reg = {
+            "token": self.token,
+            "envs": list(self.envs),
+            "results": self.results,
+            "beats": self.beats,
+            "epoch": self.epoch,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "heartbeat_liveness": self.heartbeat_liveness,
+        }
+        return {"reg": reg}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Welcome:
+        reg = _fields(_fields(body, "WELCOME body", ("reg",))["reg"], "WELCOME reg", cls._KEYS)
+        beats, interval = reg["beats"], reg["heartbeat_interval_s"]
+        return cls(
+            token=_bytes(reg["token"], "WELCOME token"),
+            envs=_indices(reg["envs"], "WELCOME envs", low=1),
+            results=_str(reg["results"], "WELCOME results", MAX_ENDPOINT_CHARS, low=1),
+            beats=None if beats is None else _str(beats, "WELCOME beats", MAX_ENDPOINT_CHARS),
+            epoch=_bytes(reg["epoch"], "WELCOME epoch"),
+            heartbeat_interval_s=_interval(interval, "WELCOME heartbeat_interval_s"),
+            heartbeat_liveness=_int(
+                reg["heartbeat_liveness"], "WELCOME heartbeat_liveness", 1, MAX_LIVENESS + 1
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Refuse:
+    """REFUSE: the pool will not take this worker, and says why."""
+
+    err: str
+
+    @classmethod
+    def because(cls, reason: str) -> Refuse:
+        """A refusal whose text is clipped to fit (a reason may quote a peer's data)."""
+        return cls(clip_middle(reason, MAX_ERROR_CHARS))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"err": self.err}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Refuse:
+        fields = _fields(body, "REFUSE body", ("err",))
+        return cls(_str(fields["err"], "REFUSE err", MAX_ERROR_CHARS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """FAILED or ERROR: something went wrong in a worker; its text and traceback.
+
+    Example:
+        >>> failed = Failed.clipped("boom", "x" * 100_000, FailureKind.ENV)
+        >>> failed.err, len(failed.tb) <= MAX_TRACEBACK_CHARS, failed.kind
+        ('boom', True, <FailureKind.ENV: 'env'>)
+    """
+
+    err: str
+    tb: str
+    kind: FailureKind
+
+    @classmethod
+    def clipped(cls, err: str, tb: str, kind: FailureKind) -> Failed:
+        """One whose text and traceback are cut (head and tail kept) to fit any pool."""
+        return cls(clip_middle(err, MAX_ERROR_CHARS), clip_middle(tb, MAX_TRACEBACK_CHARS), kind)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"err": self.err, "tb": self.tb, "kind": self.kind.value}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Failed:
+        fields = _fields(body, "FAILED/ERROR body", ("err", "tb", "kind"))
+        kind = fields["kind"]
+        known = _WIRE_KINDS.get(kind) if isinstance(kind, str) else None
+        if known is None:
+            raise ProtocolError(f"FAILED/ERROR kind must be one of {sorted(_WIRE_KINDS)}")
+        return cls(
+            _str(fields["err"], "FAILED/ERROR err", MAX_ERROR_CHARS),
+            _str(fields["tb"], "FAILED/ERROR tb", MAX_TRACEBACK_CHARS),
+            known,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Ping:
+    """PING: the pool's heartbeat to remote workers, naming the pool (its epoch)."""
+
+    epoch: bytes
+
+    def to_body(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Ping:
+        return cls(_bytes(_fields(body, "PING body", ("epoch",))["epoch"], "PING epoch"))
+
+
+# ---------------------------------------------------------------- frames
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """``sock.send_multipart(frames, copy=False)`` at half the cost.
+
+    ``send_multipart`` first checks every part's type in Python (~3 us a
+    message, measured); these frames are all buffers. Frames under pyzmq's
+    copy threshold are copied all the same; larger ones go without a copy.
+    """
+    last = len(frames) - 1
+    send = sock.send
+    for i, frame in enumerate(frames):
+        send(frame, zmq.SNDMORE if i < last else 0, copy=False)
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, reading ``more`` off each frame.
+
+    ``recv_multipart`` asks the socket (``RCVMORE``) after every frame; the
+    frame already knows. The rest of a message arrives with its first frame.
+    Raises ``zmq.Again`` when nothing is queued.
+    """
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
