@@ -18,7 +18,8 @@ is allocated.
 
 The broker only moves frames and keeps the :class:`~zmqpool.state.Ledger`
 true; what to do about a dead worker is the pool's decision, so the broker
-reports it as an :class:`Event`.
+reports it as a typed event (:data:`Event`: :class:`ProcessExited`,
+:class:`WorkerFailed`, :class:`WorkerRegistered`).
 """
 
 from __future__ import annotations
@@ -61,20 +62,40 @@ log = logging.getLogger("zmqpool")
 _DRAIN_BATCH = 256
 
 
-@dataclasses.dataclass
-class Event:
-    """Something the pool must decide about: ``exited`` (a local process died), ``failed``
-    or ``registered``.
+@dataclasses.dataclass(frozen=True)
+class ProcessExited:
+    """A watched local worker process died (its pidfd said so)."""
 
-    ``detail`` of ``failed``: ``env``, ``err``, ``tb`` and ``kind`` (a
-    :class:`~zmqpool.protocol.FailureKind`: a ``str``, equal to its wire value);
-    of ``registered``: ``envs``, ``reg`` (the :class:`~zmqpool.protocol.Register`)
-    and ``rejoin``; of ``exited``: ``status``, ``pid`` and ``cause``.
-    """
-
-    kind: str
     identity: bytes
-    detail: dict[str, Any]
+    pid: int
+    status: int | None  # None: unknown (it died with its fork server)
+    cause: str | None  # what the launcher knows of why, if anything
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailed:
+    """A worker could not come up: its env maker raised, its REGISTER would not fit,
+    or it speaks another protocol version."""
+
+    identity: bytes
+    kind: FailureKind
+    err: str
+    tb: str = ""
+    env: int = -1  # the env it names, if one
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRegistered:
+    """A worker was admitted for ``envs``; ``rejoin``: it replaces one that went away."""
+
+    identity: bytes
+    envs: list[int]
+    reg: Register
+    rejoin: bool
+
+
+#: What the broker reports for the pool to decide about.
+Event = ProcessExited | WorkerFailed | WorkerRegistered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +217,7 @@ class Broker:
         status = process.exit_status()
         cause = process.exit_cause()  # e.g. killed with its fork server: no status to say so
         process.release()
-        detail = {"status": status, "pid": process.pid, "cause": cause}
-        self.events.append(Event("exited", identity, detail))
+        self.events.append(ProcessExited(identity, process.pid, status, cause))
 
     # ------------------------------------------------------------ sending
 
@@ -334,8 +354,7 @@ class Broker:
         # the pool hears of it here.
         self._refuse(identity, str(err))
         if self._spawned(identity):
-            detail = {"kind": FailureKind.VERSION, "err": str(err)}
-            self.events.append(Event("failed", identity, detail))
+            self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
 
     def _refuse(self, identity: bytes, reason: str) -> None:
         refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
@@ -362,8 +381,8 @@ class Broker:
             log.warning("worker %r sent a malformed FAILED: %s", identity, err)
             return
         # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
-        detail = {"env": header.env, "err": failed.err, "tb": failed.tb, "kind": failed.kind}
-        self.events.append(Event("failed", identity, detail))
+        event = WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env)
+        self.events.append(event)
 
     def _on_register(self, identity: bytes, header: Header) -> None:
         try:
@@ -399,8 +418,7 @@ class Broker:
         for env in envs:
             self.ledger.slots[env].worker = record
         self._send_welcome(identity, record, reg)
-        detail = {"envs": envs, "reg": reg, "rejoin": admission.rejoin}
-        self.events.append(Event("registered", identity, detail))
+        self.events.append(WorkerRegistered(identity, list(envs), reg, admission.rejoin))
 
     def _send_welcome(self, identity: bytes, record: WorkerRecord, reg: Register) -> None:
         tcp = self.tcp if reg.remote else None

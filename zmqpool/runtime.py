@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from zmqpool.admission import Registrar
-from zmqpool.broker import Broker, Event
+from zmqpool.broker import Broker, Event, ProcessExited, WorkerFailed
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import (
     Endpoints,
@@ -208,29 +208,31 @@ class Runtime:
         return list(self.worker_envs[self.registrar.local_identities[identity]])
 
     def _on_setup_event(self, event: Event) -> None:
-        if event.kind == "failed":
-            detail = event.detail
-            if detail.get("kind") == FailureKind.REGISTER:  # built, but its REGISTER could not go
-                raise RegistrationError(f"env {detail['env']}: {detail['err']}")
-            if detail.get("kind") == FailureKind.VERSION:
-                envs = self._envs_of(event.identity)
-                raise VersionMismatchError(
-                    f"the worker of envs {envs} runs another zmqpool than this trainer "
-                    f"({detail['err']}); it imports zmqpool from its working directory or "
-                    "sys.path: check both load the same install"
-                )
-            raise EnvMakerError(detail["env"], str(detail["err"]), str(detail["tb"]))
-        if event.kind == "exited":
+        if isinstance(event, WorkerFailed):
+            self._raise_setup_failure(event)
+        if isinstance(event, ProcessExited):
             # A FAILED message may still be in flight: give it a moment to arrive.
             self.broker.poll(0.5)
             for other in self.broker.take_events():
-                if other.kind == "failed":
-                    self._on_setup_event(other)
+                if isinstance(other, WorkerFailed):
+                    self._raise_setup_failure(other)
             envs = self._envs_of(event.identity)
             raise RegistrationError(
-                f"the worker of envs {envs} exited with status {event.detail['status']} "
+                f"the worker of envs {envs} exited with status {event.status} "
                 "before registering (see its stderr above)"
             )
+
+    def _raise_setup_failure(self, event: WorkerFailed) -> NoReturn:
+        if event.kind == FailureKind.REGISTER:  # built, but its REGISTER could not go
+            raise RegistrationError(f"env {event.env}: {event.err}")
+        if event.kind == FailureKind.VERSION:
+            envs = self._envs_of(event.identity)
+            raise VersionMismatchError(
+                f"the worker of envs {envs} runs another zmqpool than this trainer "
+                f"({event.err}); it imports zmqpool from its working directory or "
+                "sys.path: check both load the same install"
+            )
+        raise EnvMakerError(event.env, event.err, event.tb)
 
     # ------------------------------------------------------------ requests
 

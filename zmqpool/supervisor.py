@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from zmqpool.broker import Broker, Event
+from zmqpool.broker import Broker, Event, ProcessExited, WorkerFailed, WorkerRegistered
 from zmqpool.config import PoolConfig
 from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
 from zmqpool.launcher import ForkServerStarting, WorkerProcess, describe_status
@@ -86,18 +86,18 @@ class Supervisor:
     # ------------------------------------------------------------ events
 
     def on_event(self, event: Event) -> None:
-        if event.kind == "registered":
-            if event.detail.get("rejoin"):
-                self._on_rejoin(event.detail["envs"])
+        if isinstance(event, WorkerRegistered):
+            if event.rejoin:
+                self._on_rejoin(event.envs)
             return
         worker = self.local_identities.get(event.identity)
         if worker is None:
             return
-        if event.kind == "exited":
-            self._on_exit(worker, event.detail.get("status"), event.detail.get("cause"))
-        elif event.kind == "failed":
-            self._maker_traceback[worker] = str(event.detail.get("tb", ""))
-            log.warning("worker %d failed to come back in a restart: %s", worker, event.detail)
+        if isinstance(event, ProcessExited):
+            self._on_exit(worker, event.status, event.cause)
+        elif isinstance(event, WorkerFailed):
+            self._maker_traceback[worker] = event.tb
+            log.warning("worker %d failed to come back in a restart: %s", worker, event.err)
 
     def _on_exit(self, worker: int, status: int | None, why: str | None = None) -> None:
         cause, traceback = self._kill_cause.pop(worker, (why or describe_status(status), ""))
