@@ -103,11 +103,9 @@ class Registrar:
             self._check_spec(env, spec)  # refuse before taking any slot
         self.remote.take(identity, incarnation, claim)
         for env in claim.envs:
-            slot = self.ledger.slots[env]
-            if claim.rejoin and slot.worker is not None:  # the old process died unnoticed
-                slot.restarts += 1
-                slot.last_restart_cause = "its remote worker came back as a new process"
-            slot.lost = None
+            if claim.rejoin and self.ledger.slots[env].worker is not None:  # died unnoticed
+                self.ledger.note_restart(env, "its remote worker came back as a new process")
+        self.ledger.revive(claim.envs)
         return Admission(claim.envs, rejoin=claim.rejoin, duplicate=claim.duplicate)
 
     def _check_spec(self, env: int | None, spec: Any) -> None:

@@ -110,9 +110,6 @@ class Admission:
 Admit = Callable[[bytes, Register], Admission]
 EnvErrorHook = Callable[[int, Pending, EnvError], bool]
 
-#: Commands that step an env; sent to a freshly restarted env, they become a reset.
-STEP_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
-
 
 class Broker:
     """Sockets, registration and result intake; see the module docstring."""
@@ -242,11 +239,7 @@ class Broker:
         worker = slot.worker
         if worker is None:
             return  # re-dispatched when the worker registers again
-        command, payload = pending.command, pending.payload
-        if slot.fresh and command in STEP_COMMANDS:
-            command, payload, pending.synth = Command.RESET, None, True
-        if command != Command.SEED:
-            slot.fresh = False
+        command, payload = self.ledger.command_to_send(env, pending)
         parts = [] if payload is None else [worker.encoder.encode(payload)]
         pending.sent_at = time.monotonic()
         frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
@@ -415,8 +408,7 @@ class Broker:
         )
         self.workers[identity] = record
         self.liveness.heard(identity, time.monotonic())
-        for env in envs:
-            self.ledger.slots[env].worker = record
+        self.ledger.attach(envs, record)
         self._send_welcome(identity, record, reg)
         self.events.append(WorkerRegistered(identity, list(envs), reg, admission.rejoin))
 

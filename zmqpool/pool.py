@@ -567,11 +567,10 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             >>> pool.env_stats()[0]["restarts"]  # doctest: +SKIP
             0
         """
-        slots = self._runtime.ledger.slots
-        result = {slot.index: env_stats(slot) for slot in slots}
+        ledger = self._runtime.ledger
+        result = {slot.index: env_stats(slot) for slot in ledger.slots}
         if reset:
-            for slot in slots:
-                slot.latencies_s.clear()
+            ledger.clear_latencies()
         return result
 
     def stats_table(self) -> str:

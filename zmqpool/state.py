@@ -18,6 +18,7 @@ import enum
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from tensordict import TensorDictBase
@@ -46,6 +47,9 @@ KIND_OF: dict[Command, Kind] = {
 }
 
 Channel = tuple[Kind, int | None]
+
+#: Commands that step an env (a fresh env's first one becomes its reset).
+_STEPS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
 
 
 @dataclasses.dataclass
@@ -141,6 +145,68 @@ class Ledger:
         # A flood must not flood the log: a warning at the 1st, 2nd, 4th, 8th... of a reason.
         level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
         log.log(level, "dropped a message: %s (%d so far)", reason, count)
+
+    # ---------------------------------------------------------------- env slots
+    # The only code that changes who hosts an env and in which state it is.
+
+    def attach(self, envs: Sequence[int], worker: WorkerRecord) -> None:
+        """``worker`` registered for ``envs``: their requests go to it from now on."""
+        for env in envs:
+            self.slots[env].worker = worker
+
+    def detach(self, envs: Sequence[int], cause: str) -> None:
+        """The worker of ``envs`` is gone (``cause``); their requests wait for a new one."""
+        for env in envs:
+            self.note_restart(env, cause)
+            self.slots[env].worker = None
+
+    def note_restart(self, env: int, cause: str) -> None:
+        slot = self.slots[env]
+        slot.restarts += 1
+        slot.last_restart_cause = cause
+
+    def revive(self, envs: Sequence[int]) -> None:
+        """``envs`` were claimed by a (remote) worker: no longer lost."""
+        for env in envs:
+            self.slots[env].lost = None
+
+    def mark_fresh(self, envs: Sequence[int]) -> None:
+        """``envs`` run in a new process: each awaits a reset before its next step."""
+        for env in envs:
+            self.slots[env].fresh = True
+
+    def fail(self, envs: Sequence[int], error: Exception) -> None:
+        """Answer every request in flight on ``envs`` with ``error``, and refuse new ones."""
+        for env in envs:
+            slot = self.slots[env]
+            slot.lost = error
+            while slot.in_flight:
+                self.deliver(Reply(env, slot.in_flight.popleft(), error=error))
+
+    def requeue(self, env: int, pending: Pending) -> None:
+        """Put a request answered with an error back in front: it is sent again after a restart."""
+        self.slots[env].in_flight.appendleft(pending)
+
+    def clear_latencies(self) -> None:
+        for slot in self.slots:
+            slot.latencies_s.clear()
+
+    def command_to_send(self, env: int, pending: Pending) -> tuple[Command, Any]:
+        """What goes on the wire for ``pending``: a step to a fresh env is sent as its reset.
+
+        A restarted env was rebuilt but not reset; stepping it would step an env
+        that never began an episode, so its first step becomes a reset, answered
+        to the caller as a truncation (``pending.synth``).
+        """
+        slot = self.slots[env]
+        command, payload = pending.command, pending.payload
+        if slot.fresh and command in _STEPS:
+            command, payload, pending.synth = Command.RESET, None, True
+        if command != Command.SEED:
+            slot.fresh = False
+        return command, payload
+
+    # ---------------------------------------------------------------- replies
 
     def match(self, env: int, seq: int, token: bytes, now: float) -> Pending | None:
         """The request a reply answers, if the reply is legitimate; counts what it drops."""

@@ -35,7 +35,7 @@ from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
 from zmqpool.launcher import ForkServerStarting, WorkerProcess, describe_status
 from zmqpool.policy import RestartPolicy
 from zmqpool.remote import RemoteSlots
-from zmqpool.state import Ledger, Pending, Reply
+from zmqpool.state import Ledger, Pending
 
 log = logging.getLogger("zmqpool")
 
@@ -104,11 +104,7 @@ class Supervisor:
         traceback = traceback or self._maker_traceback.pop(worker, "")
         envs = self.worker_envs[worker]
         self.broker.forget_worker(self.identities[worker])
-        for env in envs:
-            slot = self.ledger.slots[env]
-            slot.worker = None
-            slot.restarts += 1
-            slot.last_restart_cause = cause
+        self.ledger.detach(envs, cause)
         decision = self.policy.on_death(worker, time.monotonic())
         if decision.crash_loop:
             self._give_up(envs, cause, traceback, decision.deaths_in_window)
@@ -128,17 +124,13 @@ class Supervisor:
 
     def _fail(self, envs: tuple[int, ...] | list[int], error: EnvLostError) -> None:
         """Answer every request in flight on ``envs`` with ``error``, and refuse new ones."""
-        for env in envs:
-            slot = self.ledger.slots[env]
-            slot.lost = error
-            while slot.in_flight:
-                self.ledger.deliver(Reply(env, slot.in_flight.popleft(), error=error))
+        self.ledger.fail(envs, error)
 
     def _on_rejoin(self, envs: list[int]) -> None:
         """A restarted or rejoining worker is in: its envs are fresh; resend what is in flight."""
+        self.ledger.mark_fresh(envs)
         for env in envs:
             slot = self.ledger.slots[env]
-            slot.fresh = True
             for pending in list(slot.in_flight):
                 self.ledger.restamp(env, pending)
                 self.broker.dispatch(env, pending)
@@ -148,7 +140,7 @@ class Supervisor:
         worker = self._worker_of(env)
         if worker is None:
             return False  # a remote env: its own host restarts it; the caller gets the error
-        self.ledger.slots[env].in_flight.appendleft(pending)
+        self.ledger.requeue(env, pending)
         log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
         cause = f"env {env} raised: {str(error).splitlines()[0]}"
         self._kill(worker, cause, error.remote_traceback)
@@ -188,11 +180,7 @@ class Supervisor:
         """A remote worker went silent: keep its requests, wait for it to rejoin."""
         self.broker.forget_worker(identity)
         envs = self.remote.vacate(identity, now) if self.remote else []
-        for env in envs:
-            slot = self.ledger.slots[env]
-            slot.worker = None
-            slot.restarts += 1
-            slot.last_restart_cause = cause
+        self.ledger.detach(envs, cause)
         wait = self.config.rejoin_timeout_s
         log.warning(
             "remote worker %r of envs %s: %s; waiting %s s for a rejoin",
