@@ -91,15 +91,15 @@ class HostilePeer:
         self.pool = pool
         self.rng = random.Random(seed)
         self.context = zmq.Context()
-        self.push = self._socket(zmq.PUSH, pool._runtime.broker.results_ep)
+        self.push = self._socket(zmq.PUSH, pool.runtime.broker.local.results_ep)
         # Frames of megabytes on their own connection: a MAXMSGSIZE on the pool's side
         # drops the connection (and what is queued on it) instead of the message.
-        self.big_push = self._socket(zmq.PUSH, pool._runtime.broker.results_ep)
+        self.big_push = self._socket(zmq.PUSH, pool.runtime.broker.local.results_ep)
         self.dealers = [
             # Fresh identities: a ROUTER refuses one still held by a closing connection.
             self._socket(
                 zmq.DEALER,
-                pool._runtime.broker.router_ep,
+                pool.runtime.broker.local.router_ep,
                 b"evil%d-" % i + os.urandom(4).hex().encode(),
             )
             for i in range(3)
@@ -149,7 +149,7 @@ class HostilePeer:
 
     def _awaited_seq(self, env: int) -> int:
         """The seq the pool awaits for ``env`` (or will give its next request)."""
-        slot = self.pool._runtime.ledger.slots[env]
+        slot = self.pool.runtime.ledger.slots[env]
         return slot.in_flight[0].seq if slot.in_flight else slot.next_seq
 
     def _stale_seq(self, env: int) -> int:
@@ -157,8 +157,8 @@ class HostilePeer:
         return max(0, self._awaited_seq(env) - 1 - self.rng.randrange(3))
 
     def _token(self, env: int) -> bytes:
-        worker = self.pool._runtime.ledger.slots[env].worker
-        return worker.token if worker is not None else b""
+        link = self.pool.runtime.roster.envs[env].link
+        return link.token if link is not None else b""
 
     def _forged(self, header: Header, env: int) -> list[Any]:
         # A fresh encoder announces the layout in full, as a new connection would.
@@ -309,7 +309,6 @@ class HostilePeer:
         "ctl_junk",
         "ctl_unknown_command",
         "ctl_worker_command",
-        "ctl_other_version",
     }
     REFUSED = {"ctl_other_version", "ctl_register_garbage"}
 
@@ -334,7 +333,8 @@ def wait_for(condition, pump, timeout_s: float = 10.0) -> bool:
 
 
 def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
-    dropped_before = sum(pool._runtime.ledger.dropped.values())
+    dropped_before = sum(pool.runtime.ledger.dropped.values())
+    refused_before = pool.runtime.ledger.refused
     # Hostile messages interleaved with the real steps, a few at a time.
     driver = ExactlyOnce(pool, NUM_ENVS, STEPS, random.Random(1))
     driver.run(between=lambda: peer.send_some(min(15, HOSTILE - sum(peer.sent.values()))))
@@ -346,20 +346,21 @@ def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
     refused = sum(n for name, n in peer.sent.items() if name in HostilePeer.REFUSED)
 
     def pump():
-        pool._runtime.broker.poll(0.05)
+        pool.runtime.pump(0.05)
         peer.read_replies()
 
     def all_seen() -> bool:
-        drops = sum(pool._runtime.ledger.dropped.values()) - dropped_before
+        drops = sum(pool.runtime.ledger.dropped.values()) - dropped_before
         return drops >= counted and peer.replies["REFUSE"] >= refused
 
-    assert wait_for(all_seen, pump), (pool._runtime.ledger.dropped, peer.replies, peer.sent)
+    assert wait_for(all_seen, pump), (pool.runtime.ledger.dropped, peer.replies, peer.sent)
     wait_for(lambda: False, pump, timeout_s=0.3)  # let the megabyte frames settle
-    drops = sum(pool._runtime.ledger.dropped.values()) - dropped_before
-    assert counted <= drops <= counted + big, pool._runtime.ledger.dropped
+    drops = sum(pool.runtime.ledger.dropped.values()) - dropped_before
+    assert counted <= drops <= counted + big, pool.runtime.ledger.dropped
     assert peer.replies["WELCOME"] == 0 and set(peer.replies) <= {"REFUSE"}
+    assert pool.runtime.ledger.refused - refused_before == refused  # counted, not dropped
     assert sum(peer.sent.values()) >= HOSTILE
-    print(f"\nhostile messages: {dict(peer.sent)}\ndropped: {pool._runtime.ledger.dropped}")
+    print(f"\nhostile messages: {dict(peer.sent)}\ndropped: {pool.runtime.ledger.dropped}")
 
     # The pool is whole: a synchronous step of every env is each env's next step.
     td = pool.step(TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS]))
@@ -370,7 +371,7 @@ def test_hostile_traffic_never_crashes_forges_or_loses_a_step(pool, peer):
 def test_a_peer_speaking_another_version_is_told_why(pool, peer):
     dealer = peer.dealers[0]
     dealer.send(Header(Command.REGISTER, body={"reg": {}}, version=PROTOCOL_VERSION + 1).encode())
-    assert wait_for(lambda: dealer.poll(0), lambda: pool._runtime.broker.poll(0.05))
+    assert wait_for(lambda: dealer.poll(0), lambda: pool.runtime.pump(0.05))
     header = Header.decode(dealer.recv())
     assert header.command == Command.REFUSE
     assert f"version {PROTOCOL_VERSION + 1}" in Refuse.from_body(header.body).err
@@ -379,23 +380,23 @@ def test_a_peer_speaking_another_version_is_told_why(pool, peer):
 def test_drops_are_logged(pool, peer, caplog):
     caplog.set_level(logging.DEBUG, logger="zmqpool")
     peer.push.send(b"\xc1 not a header")
-    before = sum(pool._runtime.ledger.dropped.values())
+    before = sum(pool.runtime.ledger.dropped.values())
     assert wait_for(
-        lambda: sum(pool._runtime.ledger.dropped.values()) > before,
-        lambda: pool._runtime.broker.poll(0.05),
+        lambda: sum(pool.runtime.ledger.dropped.values()) > before,
+        lambda: pool.runtime.pump(0.05),
     )
     assert any("drop" in record.getMessage() for record in caplog.records)
 
 
 def test_control_messages_from_unknown_identities_are_counted(pool, peer):
-    before = sum(pool._runtime.ledger.dropped.values())
+    before = sum(pool.runtime.ledger.dropped.values())
     dealer = peer.dealers[1]
     dealer.send(Header(Command.HEARTBEAT).encode())
     forged = Failed("forged", "", FailureKind.MAKER)
     dealer.send(Header(Command.FAILED, 0, body=forged.to_body()).encode())
     assert wait_for(
-        lambda: sum(pool._runtime.ledger.dropped.values()) >= before + 2,
-        lambda: pool._runtime.broker.poll(0.05),
+        lambda: sum(pool.runtime.ledger.dropped.values()) >= before + 2,
+        lambda: pool.runtime.pump(0.05),
         timeout_s=1.0,
     )
 
@@ -546,11 +547,11 @@ def test_a_peer_cannot_take_over_a_live_workers_envs(pool):
     # Last in this file: if it ever fails, it leaves the module's pool broken.
     context = zmq.Context()
     try:
-        identity = pool._runtime.ledger.slots[0].worker.identity  # b"w0": in /proc/<pid>/cmdline
+        identity = pool.runtime.roster.envs[0].link.identity  # b"w0": in /proc/<pid>/cmdline
         thief = context.socket(zmq.DEALER)
         thief.linger = 0
         thief.identity = identity
-        thief.connect(pool._runtime.broker.router_ep)
+        thief.connect(pool.runtime.broker.local.router_ep)
         specs = [spec_to_data(CountingEnv().specs)] * 2
         # A well-formed REGISTER, as the real worker's own: refused all the same.
         reg = Register(os.getpid(), "thief", (0, 1), False, os.urandom(8), None, tuple(specs))
@@ -582,7 +583,7 @@ class Thief:
         self.push: zmq.Socket | None = None
 
     def pump(self, pool: ZMQAsyncEnvPool) -> None:
-        pool._runtime.broker.poll(0.02)
+        pool.runtime.pump(0.02)
         while self.dealer.poll(0):
             header = Header.decode(self.dealer.recv_multipart()[0])
             if header.command == Command.WELCOME:

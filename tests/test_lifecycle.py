@@ -69,7 +69,7 @@ def test_close_is_bounded_with_a_hung_worker_and_leaves_nothing():
     pool = ZMQAsyncEnvPool(
         FaultyEnv, create_env_kwargs=[{"fault": "hang", "fault_at": 1}], config=config
     )
-    pids, directory = worker_pids(pool), pool._resources.directory
+    pids, directory = worker_pids(pool), pool.runtime.resources.directory
     td = pool.reset()
     td["action"] = torch.zeros(1, 1)
     pool.async_step_send(td, env_index=[0])
@@ -91,7 +91,7 @@ DROPPED = textwrap.dedent(
     from zmqpool.testing import CountingEnv
     pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}])
     print(" ".join(str(p.pid) for p in pool.worker_processes().values()))
-    print(pool._resources.directory, flush=True)
+    print(pool.runtime.resources.directory, flush=True)
     pool.reset()
     if sys.argv[1] == "drop":
         del pool

@@ -29,6 +29,7 @@ from tests.conftest import pids_alive
 from tests.exactly_once import ExactlyOnce
 from zmqpool import EnvError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.launcher import ENV_THREAD_DIED, ForkServerWarning
+from zmqpool.roster import WorkerRecord
 from zmqpool.testing import CountingEnv
 
 QUICK = PoolConfig(
@@ -136,10 +137,10 @@ def test_fork_server_dying_just_before_a_restart_is_forked():
     )
     try:
         zygote, others = fork_server_pid(pool), [worker_pid(pool, w) for w in (1, 2)]
-        respawn = pool._runtime.supervisor.spawn
+        respawn = pool.runtime.supervisor.spawn
 
-        def kill_zygote_then_respawn(worker: int) -> None:
-            pool._runtime.supervisor.spawn = respawn
+        def kill_zygote_then_respawn(worker: WorkerRecord) -> None:
+            pool.runtime.supervisor.spawn = respawn
             os.kill(zygote, signal.SIGKILL)
             deadline = time.monotonic() + 10
             while pids_alive(others):  # they die with it (PR_SET_PDEATHSIG)
@@ -147,13 +148,13 @@ def test_fork_server_dying_just_before_a_restart_is_forked():
                 time.sleep(0.01)
             respawn(worker)
 
-        pool._runtime.supervisor.spawn = kill_zygote_then_respawn
+        pool.runtime.supervisor.spawn = kill_zygote_then_respawn
         driver = ExactlyOnce(pool, 3, 30, random.Random(5), restarts=True)
         with fork_server_warnings() as caught:
             driver.pool.reset()
             os.kill(worker_pid(pool, 0), signal.SIGKILL)
             settle(driver, [1, 1, 1])
-        assert pool._runtime.supervisor.spawn == respawn  # the hook ran
+        assert pool.runtime.supervisor.spawn == respawn  # the hook ran
         assert len(caught) == 1 and f"(pid {zygote}) died" in str(caught[0].message)
         assert fork_server_pid(pool) not in (None, zygote)
     finally:

@@ -94,7 +94,7 @@ def test_a_worker_whose_key_is_not_listed_cannot_connect(guarded, remote_host, k
     _, err = intruder.communicate(timeout=60)
     assert intruder.returncode == 2
     assert "authorized" in err
-    assert b"intruder" not in pool._runtime.broker.workers
+    assert pool.runtime.roster.worker(b"intruder") is None
     assert pool.reset()["observation"].shape == (1, 4)  # the pool carries on
 
 

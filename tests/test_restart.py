@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.roster import WorkerPhase
 from zmqpool.testing import CountingEnv, FaultyEnv
 
 QUICK = PoolConfig(
@@ -33,9 +34,10 @@ def actions(values) -> TensorDict:
 
 def registered(pool) -> bool:
     """Every worker is up and no restarted env still awaits its synthesized reply."""
-    slots = pool._runtime.ledger.slots
+    slots = pool.runtime.ledger.slots
     synth = any(p.synth for s in slots for p in s.in_flight)
-    return len(pool._runtime.broker.workers) == len(pool._runtime.worker_envs) and not synth
+    live = all(w.phase is WorkerPhase.LIVE for w in pool.runtime.roster.local)
+    return live and not synth
 
 
 class Checker:

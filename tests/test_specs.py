@@ -604,9 +604,12 @@ def test_a_few_bytes_cannot_describe_gigabytes_of_bounds() -> None:
 
 
 def test_tree_byte_budget_counts_all_leaves_by_their_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(specs_module, "MAX_SPEC_BYTES", 1000)
-    fits = Composite(a=Unbounded(shape=(100,)), b=Unbounded(shape=(150,)))  # 400 + 600 bytes
+    # A box leaf costs three tensors of its shape once built: its low, high and a zero.
+    monkeypatch.setattr(specs_module, "MAX_SPEC_BYTES", 3000)
+    fits = Composite(a=Unbounded(shape=(100,)), b=Unbounded(shape=(150,)))  # 3 x (400 + 600)
     assert spec_from_data(spec_to_data(fits)) == fits
     too_big = Composite(a=Unbounded(shape=(100,), dtype=torch.float64), b=Unbounded(shape=(100,)))
-    with pytest.raises(ProtocolError, match="more than 1000 bytes"):
+    with pytest.raises(ProtocolError, match="more than 3000 bytes"):
         spec_to_data(too_big)
+    with pytest.raises(ProtocolError, match="more than 2999 bytes"):
+        spec_from_data(spec_to_data(fits), max_bytes=2999)

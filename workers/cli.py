@@ -22,7 +22,7 @@ from workers.hosting import EnvHost, EnvRecipe, recipe_from_name
 from workers.loop import REGISTER_TIMEOUT_S, Worker
 from workers.supervise import REFUSED, Supervisor, die_with_parent
 from zmqpool.errors import EnvMakerError, RegistrationError
-from zmqpool.security import ClientKeys
+from zmqpool.security import ClientKeys, InsecureKeyFileError
 
 log = logging.getLogger("workers")
 
@@ -128,7 +128,10 @@ def _client_keys(args: argparse.Namespace) -> ClientKeys | None:
         raise SystemExit("python -m workers: give both --server-key and --client-key, or neither")
     if not args.server_key:
         return None
-    return ClientKeys.from_files(args.server_key, args.client_key)
+    try:
+        return ClientKeys.from_files(args.server_key, args.client_key)
+    except InsecureKeyFileError as err:  # a secret others can read: say how to fix it, no traceback
+        raise SystemExit(f"python -m workers: {err}") from None
 
 
 def _serve_remote_child(
@@ -175,23 +178,32 @@ def serve(
     timeout = args.register_timeout
     if timeout is None:
         timeout = None if remote else REGISTER_TIMEOUT_S
-    worker = Worker(
-        args.connect,
-        identity,
-        EnvHost({}),
-        heartbeat_interval_s=args.heartbeat_interval,
-        register_timeout_s=timeout,
-        remote_slots=remote,
-        keys=keys,
-        slots=slots,
-        env_threads=args.env_threads,
-    )
+
+    def connect(host: EnvHost) -> Worker:
+        return Worker(
+            args.connect,
+            identity,
+            host,
+            heartbeat_interval_s=args.heartbeat_interval,
+            register_timeout_s=timeout,
+            remote_slots=remote,
+            keys=keys,
+            slots=slots,
+            env_threads=args.env_threads,
+        )
+
+    # The envs first: their specs bound what the worker's sockets accept, set before they connect.
     try:
-        worker.host = EnvHost.build(indices, recipes)
+        host = EnvHost.build(indices, recipes)
     except EnvMakerError as err:
-        worker.report_maker_failure(err)
+        failed = connect(EnvHost({}))
+        try:
+            failed.report_maker_failure(err)
+        finally:
+            failed.close()
         log.error("%s", err)
         return 1
+    worker = connect(host)
     try:
         worker.register()
         worker.serve()

@@ -11,6 +11,20 @@ restarted trainer), it registers again, retrying with backoff: ZeroMQ
 reconnects the TCP connections by itself, so a restarted trainer at the same
 address picks its workers up again.
 
+Limits. A worker trusts no more bytes than its envs need: every socket
+it connects over TCP gets a ``MAXMSGSIZE`` and a short ``HANDSHAKE_IVL``
+before it connects (libzmq reads the CURVE handshake with the socket's frame
+decoder before the peer is authenticated, so without a limit any peer that
+can reach the socket, holding no keys, can make it allocate a frame of
+gigabytes). The DEALER's limit is the one the pool holds this worker's
+replies to, derived from the same specs (:func:`command_frame_limit`), and
+its decoder refuses layouts above it; the SUB and the PUSH get
+:data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed heartbeat is counted,
+logged (throttled) and ignored. A frame over a limit makes libzmq drop the
+connection, and after such a protocol error it never connects again by
+itself: each TCP socket's :class:`_DropWatch` does, so neither an oversized
+command nor a peer posing as the pool cuts a worker off for good.
+
 Threads and sockets: the main thread owns the DEALER, the heartbeat thread
 its own DEALER (and SUB), and the PUSH is shared under the send lock. Closing
 stops the threads first (each closes its own sockets), then closes the main
@@ -31,11 +45,12 @@ import traceback
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from workers.hosting import EnvHost
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
-from zmqpool.codec import Decoder, Encoder
+from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -43,7 +58,16 @@ from zmqpool.errors import (
     VersionMismatchError,
 )
 from zmqpool.launcher import ENV_THREAD_DIED
-from zmqpool.limits import MAX_CONTROL_BYTES
+from zmqpool.layout import max_message_bytes
+from zmqpool.limits import (
+    CURVE_FRAME_OVERHEAD,
+    MAX_BEAT_BYTES,
+    MAX_CONTROL_BYTES,
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_REMOTE_CONTROL_BYTES,
+    TCP_HANDSHAKE_MS,
+)
 from zmqpool.protocol import (
     MAX_HOST_CHARS,
     Failed,
@@ -117,14 +141,21 @@ class Worker:
         self.welcome: Welcome | None = None  # the pool's timings, token and endpoints
         self.pool_lost = threading.Event()
         self.context = zmq.Context()
+        #: The largest frame a command may carry (TCP; unbounded over ipc): the
+        #: DEALER's ``MAXMSGSIZE`` and its decoder's ``max_frame_bytes``. From the
+        #: envs' specs, so build the envs before the worker (``workers.cli.serve``).
+        self.frame_limit = command_frame_limit(host, router)
         self.dealer = self._socket(zmq.DEALER, identity)
         if remote_slots:
             self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # no REGISTER queued for a pool not there
-        self.dealer.connect(router)
+        self._dealer_watch = self._connect(self.dealer, router, self.frame_limit)
         self.push: zmq.Socket | None = None
+        self._push_watch: _DropWatch | None = None
         self.token = b""
         self.encoder = Encoder()
-        self.decoder = Decoder()
+        self.decoder = Decoder(max_frame_bytes=self.frame_limit)
+        #: Messages on the SUB that were not a PING (counted, logged throttled, ignored).
+        self.malformed_beats = 0
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
         self._send_lock = threading.Lock()
@@ -140,6 +171,27 @@ class Worker:
             make_client(sock, self.keys)
         return sock
 
+    @staticmethod
+    def _connect(sock: zmq.Socket, endpoint: str, max_frame: int) -> _DropWatch | None:
+        """Connect ``sock``, over TCP with its limits set first (libzmq reads them at connect).
+
+        ``max_frame`` is the largest frame we expect; CURVE adds up to
+        :data:`~zmqpool.limits.CURVE_FRAME_OVERHEAD` bytes to each, counted
+        against ``MAXMSGSIZE``. Over TCP, returns the watch that connects the
+        socket again after a protocol error (its owner's thread checks it).
+        Over ipc nothing is set: its endpoints live in a 0700 directory of the
+        trainer's user, only the trainer reaches them, and a frame over the
+        limit would be dropped with its connection, without a word to either side.
+        """
+        if not endpoint.startswith("tcp://"):
+            sock.connect(endpoint)
+            return None
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame + CURVE_FRAME_OVERHEAD)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, TCP_HANDSHAKE_MS)
+        watch = _DropWatch(sock, endpoint)  # before connecting: no event is missed
+        sock.connect(endpoint)
+        return watch
+
     # ------------------------------------------------------------ registration
 
     def register(self) -> None:
@@ -154,7 +206,7 @@ class Worker:
             specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
         )
         message = Header(Command.REGISTER, body=reg.to_body()).encode()
-        if len(message) > MAX_CONTROL_BYTES:
+        if len(message) > self._control_limit()[0]:
             self._refuse_oversized(len(message), reg)
         header = self._register_until_answered(message)
         try:
@@ -176,16 +228,31 @@ class Worker:
         message, small), so the trainer raises at construction, naming the env.
         """
         names = {i: type(env).__name__ for i, env in self.host.envs.items()}
-        env, text = oversized_registration(size, list(reg.envs), list(reg.specs), names)
+        limit, name = self._control_limit()
+        env, text = oversized_registration(
+            size, list(reg.envs), list(reg.specs), names, limit, name
+        )
         if not self.remote_slots:
             self._send_failed(env, Failed.clipped(text, "", FailureKind.REGISTER))
         raise RegistrationError(f"cannot register with the pool at {self.router}: {text}")
+
+    def _control_limit(self) -> tuple[int, str]:
+        """The largest control message the pool's ROUTER takes from us, and its name.
+
+        A pool's remote side (TCP) takes less than its local one: libzmq applies
+        the limit to the CURVE handshake of keyless peers too.
+        """
+        if self.router.startswith("tcp://") and self.remote_slots:
+            return MAX_REMOTE_CONTROL_BYTES, "MAX_REMOTE_CONTROL_BYTES"
+        return MAX_CONTROL_BYTES, "MAX_CONTROL_BYTES"
 
     def _register_until_answered(self, message: bytes) -> Header:
         timeout = self.register_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         wait_s = 0.2
         while deadline is None or time.monotonic() < deadline:
+            if self._dealer_watch is not None:
+                self._dealer_watch.check()
             with contextlib.suppress(zmq.Again):  # not connected yet (IMMEDIATE): retry
                 self.dealer.send(message, zmq.NOBLOCK)
             header = self._await_registration_reply(wait_s, deadline)
@@ -233,10 +300,11 @@ class Worker:
         self.host.envs = dict(zip(envs, hosted, strict=True))
         with self._send_lock:  # env threads may be replying to the old pool
             self.token = welcome.token
-            if self.push is not None:
-                self.push.close()
+            self._close_push()
             self.push = self._socket(zmq.PUSH)
-            self.push.connect(reachable(welcome.results, self.router))
+            # A PUSH receives nothing: only the handshake's few small commands.
+            results = reachable(welcome.results, self.router)
+            self._push_watch = self._connect(self.push, results, MAX_BEAT_BYTES)
         self.beats = None if welcome.beats is None else reachable(welcome.beats, self.router)
         self.epoch = welcome.epoch
         self.welcome = welcome
@@ -248,7 +316,7 @@ class Worker:
         log.warning("the pool at %s went away or restarted; registering again", self.router)
         with self._send_lock:
             self.encoder.forget()
-        self.decoder = Decoder()
+        self.decoder = Decoder(max_frame_bytes=self.frame_limit)
         self.register()
 
     # ------------------------------------------------------------ serving
@@ -259,6 +327,7 @@ class Worker:
             target=self._heartbeat_loop, name="heartbeat", daemon=True
         )
         self._heartbeat.start()
+        next_check = time.monotonic() + self.heartbeat_interval_s
         try:
             while not self._stop.is_set():
                 if self.pool_lost.is_set() and self.remote_slots:
@@ -266,8 +335,28 @@ class Worker:
                 frames = self._next_command()
                 if frames is not None and not self._handle(frames):
                     break
+                if (now := time.monotonic()) >= next_check:
+                    next_check = now + self.heartbeat_interval_s
+                    self._check_connections()
         finally:
             self._stop.set()
+
+    def _check_connections(self) -> None:
+        """Connect the DEALER and the PUSH again if a protocol error dropped them for good."""
+        if self._dealer_watch is not None:
+            self._dealer_watch.check()
+        with self._send_lock:
+            if self._push_watch is not None:
+                self._push_watch.check()
+
+    def _close_push(self) -> None:
+        """Close the PUSH and its watch (the caller holds the send lock)."""
+        if self._push_watch is not None:
+            self._push_watch.close()
+            self._push_watch = None
+        if self.push is not None:
+            self.push.close()
+            self.push = None
 
     def _next_command(self) -> list[bytes] | None:
         """The next command's frames, waiting up to a heartbeat interval (``None``: nothing).
@@ -351,17 +440,23 @@ class Worker:
         # Its own sockets: zmq sockets are not thread-safe, and a long env step
         # in the main thread must not silence the heartbeats.
         beat = self._socket(zmq.DEALER, self.identity + b"!hb")
-        beat.connect(self.router)
+        # The pool sends this DEALER nothing; a header is the most it could.
+        beat_watch = self._connect(beat, self.router, MAX_HEADER_BYTES)
         message = Header(Command.HEARTBEAT).encode()
         watch = _PoolWatch(self)
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
+                if beat_watch is not None:
+                    beat_watch.check()
                 with contextlib.suppress(zmq.Again):  # a full queue: the pool is away
                     beat.send(message, zmq.NOBLOCK)
                 watch.check()
-        except zmq.ZMQError:
-            pass  # a socket error ends the beats; the pool hears the silence
+        except zmq.ZMQError as err:  # a socket error ends the beats; the pool hears the silence
+            if not self._stop.is_set():
+                log.error("the heartbeat thread stops on a socket error: %s", err)
         finally:  # this thread's sockets, closed by it (close() joins it before term())
+            if beat_watch is not None:
+                beat_watch.close()
             beat.close()
             watch.close()
 
@@ -371,7 +466,10 @@ class Worker:
         self._send_failed(err.env_index, failed)
 
     def _send_failed(self, env: int, failed: Failed) -> None:
-        self.dealer.send(Header(Command.FAILED, env, body=failed.to_body()).encode())
+        message = Header(Command.FAILED, env, body=failed.to_body()).encode()
+        # A remote worker's DEALER (IMMEDIATE) may not be connected yet: never block on it.
+        with contextlib.suppress(zmq.Again):
+            self.dealer.send(message, zmq.NOBLOCK if self.remote_slots else 0)
         # Give the message a moment to leave before the process exits (linger is 0).
         time.sleep(0.2)
 
@@ -410,9 +508,9 @@ class Worker:
         if heartbeat is not None:
             heartbeat.join(max(deadline - time.monotonic(), 0.0))
         with self._send_lock:
-            if self.push is not None:
-                self.push.close()
-                self.push = None
+            self._close_push()
+        if self._dealer_watch is not None:
+            self._dealer_watch.close()
         self.dealer.close()
         idle = {i: env for i, env in self.host.envs.items() if not any(env is b for b in busy)}
         EnvHost(idle).close()
@@ -426,11 +524,19 @@ class Worker:
 
 
 class _PoolWatch:
-    """In the heartbeat thread: is our pool still beating, and is it still the same pool?"""
+    """In the heartbeat thread: is our pool still beating, and is it still the same pool?
+
+    Only a one-frame PING whose body is a :class:`~zmqpool.protocol.Ping` is a
+    beat. Anything else on the SUB (bytes that are no header, another
+    command, a bad body, more frames) proves nothing: it is counted in
+    ``worker.malformed_beats``, logged at the 1st, 2nd, 4th, 8th... time, and
+    ignored, so the beats, the watch and the worker go on.
+    """
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.sub: zmq.Socket | None = None
+        self.sub_watch: _DropWatch | None = None
         self.endpoint: str | None = None
         self.last_beat = time.monotonic()
 
@@ -438,14 +544,13 @@ class _PoolWatch:
         worker = self.worker
         if worker.beats != self.endpoint:
             self._subscribe(worker.beats)
+        if self.sub_watch is not None:
+            self.sub_watch.check()
         if self.sub is None or worker.pool_lost.is_set():
             return
         while self.sub.poll(0):
-            try:
-                header = Header.decode(self.sub.recv())
-                epoch = Ping.from_body(header.body).epoch
-            except ProtocolError as err:  # not a beat of any pool's: it proves nothing
-                log.warning("dropped a malformed pool heartbeat: %s", err)
+            epoch = self._read_beat(self.sub)
+            if epoch is None:
                 continue
             if epoch != worker.epoch:
                 worker.pool_lost.set()  # a new pool at the same address: a restarted trainer
@@ -456,18 +561,119 @@ class _PoolWatch:
         if welcome is not None and time.monotonic() - self.last_beat > welcome.pool_timeout_s:
             worker.pool_lost.set()
 
+    def _read_beat(self, sub: zmq.Socket) -> bytes | None:
+        """The epoch of the PING queued on ``sub``, or ``None`` (counted) if it is none."""
+        frames = recv_frames(sub)  # every frame of the message: none is left for the next read
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"a heartbeat is one frame, got {len(frames)}")
+            header = Header.decode(frames[0].buffer)
+            if header.command != Command.PING:
+                raise ProtocolError(f"a heartbeat is a PING, got {header.command.name}")
+            return Ping.from_body(header.body).epoch
+        except ProtocolError as err:  # not a beat of any pool's: it proves nothing
+            self.worker.malformed_beats += 1
+            count = self.worker.malformed_beats
+            if count & (count - 1) == 0:  # 1, 2, 4, 8...: a flood of them logs a few lines
+                log.warning("dropped a malformed pool heartbeat (%d so far): %s", count, err)
+            return None
+
     def _subscribe(self, endpoint: str | None) -> None:
         self.close()
         self.endpoint, self.last_beat = endpoint, time.monotonic()
         if endpoint is not None:
             self.sub = self.worker._socket(zmq.SUB)
             self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self.sub.connect(endpoint)
+            try:
+                self.sub_watch = self.worker._connect(self.sub, endpoint, MAX_BEAT_BYTES)
+            except zmq.ZMQError as err:  # the WELCOME's endpoint: the pool's to get right
+                log.error("cannot listen to the pool's heartbeats at %r: %s", endpoint, err)
+                self.close()
 
     def close(self) -> None:
+        if self.sub_watch is not None:
+            self.sub_watch.close()
+            self.sub_watch = None
         if self.sub is not None:
             self.sub.close()
             self.sub = None
+
+
+class _DropWatch:
+    """Connects a TCP socket again when libzmq will not: after a protocol error.
+
+    libzmq connects a socket again by itself after a connection error or a
+    handshake timeout, but after a protocol error (a frame over ``MAXMSGSIZE``,
+    a greeting or handshake that is not ZMTP and CURVE) it drops the endpoint
+    for good (measured, libzmq 4.3: ``EVENT_DISCONNECTED`` and no
+    ``EVENT_CONNECT_RETRIED``). A command over this worker's limit, or a peer
+    posing as the pool, would then cut the worker off for good. The thread
+    that owns the socket calls :meth:`check` now and then: a drop libzmq has
+    not retried within :attr:`GRACE_S` is connected again here, and logged
+    (throttled: the 1st, 2nd, 4th... time).
+    """
+
+    GRACE_S = 1.0
+
+    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.monitor.linger = 0
+        self.dropped_at: float | None = None
+        self.reconnects = 0
+
+    def check(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                self.dropped_at = None  # libzmq is connecting again itself
+            elif self.dropped_at is None:
+                self.dropped_at = time.monotonic()
+        if self.dropped_at is None or time.monotonic() - self.dropped_at < self.GRACE_S:
+            return
+        self.dropped_at = None
+        self.reconnects += 1
+        if self.reconnects & (self.reconnects - 1) == 0:
+            log.warning(
+                "the connection to %s was dropped for a protocol error (a frame over this "
+                "socket's limit of %d bytes, or a peer that is not the pool): connecting again "
+                "(%d times so far)",
+                self.endpoint,
+                self.sock.getsockopt(zmq.MAXMSGSIZE),
+                self.reconnects,
+            )
+        with contextlib.suppress(zmq.ZMQError):  # the endpoint may be gone already
+            self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket is closed)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close()
+
+
+def command_frame_limit(host: EnvHost, router: str) -> int:
+    """The largest frame this worker accepts in a command from a pool at ``router``.
+
+    A command carries the pool's header (at most
+    :data:`~zmqpool.limits.MAX_HEADER_BYTES`) and the tensordict it sends an env,
+    whose leaves are those the env's specs declare (actions, states, the
+    observations of a step's root): no frame of it exceeds all of those leaves
+    packed. So the bound is :func:`~zmqpool.layout.max_message_bytes` of each
+    env's ``specs.zero()``, headroom included: the very bound the pool's decoder
+    holds this worker's replies to (``Broker._welcome``), from the same specs.
+    A frame over it is refused by libzmq (the connection drops) or, inside it,
+    by the decoder (an ERROR reply: malformed command). Over ipc the trainer
+    is the only peer: no limit there (:data:`~zmqpool.limits.MAX_FRAME_BYTES`).
+    """
+    if not router.startswith("tcp://"):
+        return MAX_FRAME_BYTES
+    return max_message_bytes(layout_of(env.specs.zero()) for env in host.envs.values())
 
 
 def _safe_repr(err: BaseException) -> str:

@@ -18,7 +18,12 @@ from zmqpool.limits import MAX_CONTROL_BYTES
 
 
 def oversized_registration(
-    size: int, envs: list[int], specs: list[Any], names: dict[int, str]
+    size: int,
+    envs: list[int],
+    specs: list[Any],
+    names: dict[int, str],
+    limit: int = MAX_CONTROL_BYTES,
+    limit_name: str = "MAX_CONTROL_BYTES",
 ) -> tuple[int, str]:
     """The env whose specs weigh most in a too-large REGISTER, and what to tell the user.
 
@@ -36,8 +41,8 @@ def oversized_registration(
     tensors = sorted(tensors, reverse=True)[:3]
     where = ", ".join(f"{'/'.join(path)} ({nbytes} bytes)" for nbytes, path in tensors)
     text = (
-        f"its REGISTER message is {size} bytes, over the limit of {MAX_CONTROL_BYTES} "
-        f"bytes a pool takes (zmqpool.limits.MAX_CONTROL_BYTES). The specs of env {env} "
+        f"its REGISTER message is {size} bytes, over the limit of {limit} "
+        f"bytes a pool takes (zmqpool.limits.{limit_name}). The specs of env {env} "
         f"({names.get(env, 'env')}) take {weights[k]} bytes"
         + (f", mostly per-element tensors: {where}" if where else "")
         + ". Specs travel whole at registration: masks, and bounds that vary along every "

@@ -1,25 +1,49 @@
-"""Who may register, for which env slots, with which specs.
+"""The control plane: REGISTER, FAILED and HEARTBEAT messages, and what the pool answers.
 
-- A local worker registers under the identity the pool spawned it with
-  (``w<index>.<secret>``: a remote peer cannot guess it and take over its
-  routing) and gets exactly the envs it was spawned for.
-- A remote worker gets free remote slots from :class:`~zmqpool.remote.RemoteSlots`.
+- A local worker registers on the local side under the identity the pool
+  spawned it with (``w<index>.<secret>``, see :class:`~zmqpool.roster.Roster`)
+  and gets exactly the envs it was spawned for, while it is starting.
+- A remote worker registers on the remote side and gets free remote slots,
+  or its own back (:meth:`~zmqpool.roster.Roster.plan_remote`). Nothing that
+  arrives on the local side is admitted for a remote slot, and no local
+  identity is admitted from the remote side.
 - Specs must match: an env coming back must bring the specs it had; with a
   dense stack, every env must bring the pool's specs (those of the first env
-  registered). A mismatch is refused with the first differing field.
+  registered). A mismatch is refused with the first differing field. Each
+  REGISTER's specs are decoded once, here.
+- An admitted worker is given a fresh token (every result must carry it)
+  and a WELCOME with the timings it must share with the pool.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
-from zmqpool.broker import Admission
-from zmqpool.errors import RegistrationError
-from zmqpool.protocol import Register
-from zmqpool.remote import RemoteSlots
-from zmqpool.specs import spec_from_data
+import zmq
+
+from zmqpool.broker import Broker
+from zmqpool.codec import Decoder, Encoder, layout_of
+from zmqpool.config import PoolConfig
+from zmqpool.errors import ProtocolError, RegistrationError, VersionMismatchError
+from zmqpool.events import Event, WorkerFailed, WorkerRegistered
+from zmqpool.layout import max_message_bytes
+from zmqpool.limits import MAX_SPEC_BYTES
+from zmqpool.policy import Liveness
+from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
+from zmqpool.roster import Link, Roster, WorkerPhase, WorkerRecord
+from zmqpool.specs import spec_from_data, spec_to_data
 from zmqpool.state import Ledger
+from zmqpool.wire import Command, Header
+
+log = logging.getLogger("zmqpool")
+
+#: Layouts a remote connection may announce (each is kept while it is connected).
+_REMOTE_LAYOUTS = 32
+#: A heartbeat from a worker's own heartbeat socket carries this suffix.
+_HEARTBEAT_SUFFIX = b"!hb"
 
 
 def first_difference(a: Any, b: Any, path: str = "specs") -> str | None:
@@ -42,80 +66,255 @@ def first_difference(a: Any, b: Any, path: str = "specs") -> str | None:
 
 
 class Registrar:
-    """Decides REGISTER messages for a pool; keeps each env's registered specs."""
+    """Reads control messages, admits workers into the roster, answers them; see the docstring.
+
+    Args:
+        roster, ledger, broker, config, liveness: the pool's.
+        events: where it reports admissions and failed starts.
+        same_specs: every env must register the same specs (``stack="dense"``).
+        remote_spec: the specs every remote worker must bring (an env's
+            ``specs``), if the user gave them.
+    """
 
     def __init__(
         self,
+        roster: Roster,
         ledger: Ledger,
-        worker_envs: list[tuple[int, ...]],
-        remote: RemoteSlots | None,
+        broker: Broker,
+        config: PoolConfig,
+        liveness: Liveness,
+        events: list[Event],
         same_specs: bool,
+        remote_spec: Any = None,
     ) -> None:
+        self.roster = roster
         self.ledger = ledger
-        self.worker_envs = worker_envs
-        self.remote = remote
+        self.broker = broker
+        self.config = config
+        self.liveness = liveness
+        self.events = events
         self.same_specs = same_specs
-        secret = os.urandom(6).hex()
-        self.local_identities = {f"w{i}.{secret}".encode(): i for i in range(len(worker_envs))}
-        self.specs: dict[int, Any] = {}
-        self.incarnations: dict[bytes, Any] = {}
+        self.remote_spec = remote_spec
+        self._remote_set = frozenset(roster.remote_indices)
+        self.revoked: set[str] = set()
+        self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
-    def identity(self, worker_index: int) -> bytes:
-        return next(k for k, v in self.local_identities.items() if v == worker_index)
+    def remote_reference(self) -> Any:
+        """The specs remote slots are held to, decoded (None: none, each brings its own)."""
+        if self.remote_spec is not None:
+            return self.remote_spec
+        if self.same_specs and self.roster.local:
+            return self.roster.envs[self.roster.local[0].envs[0]].spec
+        return None
 
-    def admit(self, identity: bytes, reg: Register) -> Admission:
-        """Admit a REGISTER (its fields checked by :meth:`Register.from_body`) or raise."""
-        if identity in self.local_identities:
-            admission = self._admit_local(identity, reg)
+    def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
+        if not frames:
+            self.ledger.drop("control message without a header")
+            return
+        try:
+            header = Header.decode(frames[0].buffer)
+        except VersionMismatchError as err:
+            self._refuse_version(identity, err, remote)
+            return
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed control header: {type(err).__name__}")
+            return
+        key = peer_key(frames[0]) if remote else None
+        if header.command == Command.REGISTER:
+            self._on_register(identity, key, header, remote)
+        elif header.command == Command.HEARTBEAT:
+            self._on_heartbeat(identity, key, remote)
+        elif header.command == Command.FAILED:
+            self._on_failed(identity, key, header, remote)
         else:
-            admission = self._admit_remote(identity, reg)
-        for env, spec in zip(admission.envs, reg.specs, strict=True):
-            self.specs[env] = spec
-        return admission
+            self.ledger.drop("unexpected command on the control socket")
 
-    def _admit_local(self, identity: bytes, reg: Register) -> Admission:
-        envs = list(self.worker_envs[self.local_identities[identity]])
-        incarnation = reg.incarnation
-        if self.incarnations.get(identity) == incarnation:
-            return Admission(envs, duplicate=True)  # it asked twice: answer, change nothing
-        if list(reg.envs) != envs:  # Register.from_body: as many specs as envs
-            raise RegistrationError(f"worker {identity!r} offers envs {list(reg.envs)}, not {envs}")
-        live = [env for env in envs if self.ledger.slots[env].worker is not None]
-        if live:  # a restart registers only after the death was seen (slot.worker = None)
+    # ------------------------------------------------------------ who is talking
+
+    def _sender(self, identity: bytes, key: str | None, remote: bool) -> WorkerRecord | None:
+        """The record of a worker that may speak on this side with this key, or None."""
+        record = self.roster.worker(identity)
+        if record is None or record.remote != remote or record.key != key:
+            return None
+        return record
+
+    def _on_heartbeat(self, identity: bytes, key: str | None, remote: bool) -> None:
+        record = self._sender(identity.removesuffix(_HEARTBEAT_SUFFIX), key, remote)
+        if record is None or record.link is None:
+            self.ledger.drop("heartbeat from an identity that is not a registered worker")
+            return
+        self.liveness.heard(record.identity, time.monotonic())
+
+    def _on_failed(self, identity: bytes, key: str | None, header: Header, remote: bool) -> None:
+        record = self._sender(identity, key, remote)
+        if record is None:
+            self.ledger.drop("FAILED from an identity that is not a worker")
+            return
+        try:
+            failed = Failed.from_body(header.body)
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed FAILED: {type(err).__name__}")
+            return
+        if record.remote:  # a remote host restarts its own envs: nothing for the pool to do
+            self.ledger.drop("FAILED from a remote worker (its host restarts its envs)")
+            return
+        # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
+        self.roster.failed_to_start(record, failed.tb)
+        self.events.append(WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env))
+
+    def _refuse_version(self, identity: bytes, err: VersionMismatchError, remote: bool) -> None:
+        # A worker of another version cannot read our REFUSE (it reads the
+        # version first and stops); our own process cannot tell us either, so
+        # the pool hears of it here.
+        self._refuse(identity, str(err), remote)
+        record = self._sender(identity, None, remote)
+        if record is not None and not record.remote:
+            self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
+
+    def _refuse(self, identity: bytes, reason: str, remote: bool) -> None:
+        self.ledger.refuse(identity, reason)
+        refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
+        self.broker.route(identity, [refusal.encode()], remote)
+
+    # ------------------------------------------------------------ REGISTER
+
+    def _on_register(self, identity: bytes, key: str | None, header: Header, remote: bool) -> None:
+        try:
+            reg = Register.from_body(header.body)
+            record, specs = self._admit(identity, key, reg, remote)
+        except (RegistrationError, ProtocolError) as err:
+            self._refuse(identity, str(err), remote)
+            return
+        if record is None:  # a duplicate: our WELCOME was lost; say it again
+            known = self.roster.worker(identity)
+            if known is not None and known.link is not None:
+                self._send_welcome(known.link)
+            return
+        self._welcome(record, reg, specs, remote)
+
+    def _admit(
+        self, identity: bytes, key: str | None, reg: Register, remote: bool
+    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+        """The record to go live and its envs' (data, decoded) specs; None: a duplicate."""
+        record = self.roster.worker(identity)
+        if not remote:
+            if record is None or record.remote:
+                raise RegistrationError(f"{identity!r} is not a worker this pool started")
+            return self._admit_local(record, reg)
+        if record is not None and not record.remote:
+            raise RegistrationError("a local worker's identity, from the remote side")
+        if key is not None and key in self.revoked:
+            raise RegistrationError("this worker's key was revoked")
+        return self._admit_remote(identity, key, reg)
+
+    def _admit_local(
+        self, record: WorkerRecord, reg: Register
+    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+        link = record.link
+        if link is not None and link.incarnation == reg.incarnation:
+            return None, []  # it asked twice: answer, change nothing
+        if record.phase is not WorkerPhase.STARTING:
             raise RegistrationError(
-                f"worker {identity!r} of envs {live} is registered and alive: refused"
+                f"worker {record.identity!r} of envs {list(record.envs)} is "
+                f"{record.phase.value}, not starting: refused"
             )
-        for env, spec in zip(envs, reg.specs, strict=True):
-            self._check_spec(env, spec)
-        self.incarnations[identity] = incarnation
-        rejoin = any(self.ledger.slots[e].restarts for e in envs)
-        return Admission(envs, rejoin=rejoin)
+        if tuple(reg.envs) != record.envs:  # Register.from_body: as many specs as envs
+            raise RegistrationError(
+                f"worker {record.identity!r} offers envs {list(reg.envs)}, not {list(record.envs)}"
+            )
+        specs = [self._check_spec(env, s) for env, s in zip(record.envs, reg.specs, strict=True)]
+        return record, specs
 
-    def _admit_remote(self, identity: bytes, reg: Register) -> Admission:
-        if self.remote is None:
+    def _admit_remote(
+        self, identity: bytes, key: str | None, reg: Register
+    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+        if not self.roster.remote_indices:
             raise RegistrationError("this pool has no remote env slots (remote_envs=0)")
-        specs, incarnation = reg.specs, reg.incarnation
-        for spec in specs:
-            self._check_spec(None, spec)  # a wrong spec says more than "no free slot"
+        for spec in reg.specs:
+            self._compare(None, spec)  # a wrong spec says more than "no free slot"
         wanted = None if reg.slots is None else list(reg.slots)
-        claim = self.remote.plan(identity, incarnation, len(specs), wanted)
-        for env, spec in zip(claim.envs, specs, strict=True):
-            self._check_spec(env, spec)  # refuse before taking any slot
-        self.remote.take(identity, incarnation, claim)
-        for env in claim.envs:
-            if claim.rejoin and self.ledger.slots[env].worker is not None:  # died unnoticed
-                self.ledger.note_restart(env, "its remote worker came back as a new process")
-        self.ledger.revive(claim.envs)
-        return Admission(claim.envs, rejoin=claim.rejoin, duplicate=claim.duplicate)
+        count, cap = len(reg.specs), self.config.max_slots_per_key
+        claim = self.roster.plan_remote(identity, key, reg.incarnation, count, wanted, cap)
+        if claim.duplicate:
+            return None, []
+        specs = [self._check_spec(env, s) for env, s in zip(claim.envs, reg.specs, strict=True)]
+        cause = "its remote worker came back as a new process"
+        return self.roster.take_remote(identity, key, claim, cause), specs
 
-    def _check_spec(self, env: int | None, spec: Any) -> None:
-        """Against the env's own earlier specs, and with a dense stack against the pool's."""
-        reference = None if env is None else self.specs.get(env)
-        if reference is None and self.same_specs and self.specs:
-            reference = next(iter(self.specs.values()))
+    def _check_spec(self, env: int, data: Any) -> tuple[Any, Any]:
+        """Compared, then decoded (only here, once): the specs as data and decoded.
+
+        A remote worker's are decoded under the lower remote budget
+        (``PoolConfig.max_remote_spec_bytes``), after the comparison: specs
+        that differ from the reference are refused before anything is built.
+        """
+        self._compare(env, data)
+        remote = env in self._remote_set
+        budget = self.config.max_remote_spec_bytes if remote else MAX_SPEC_BYTES
+        try:
+            spec = spec_from_data(data, max_bytes=budget)
+            layout_of(spec.zero())  # what bounds its frames must exist too
+        except Exception as err:  # a peer's specs: whatever they break is a refusal
+            raise RegistrationError(f"specs that cannot be built: {err}") from None
+        return data, spec
+
+    def _compare(self, env: int | None, data: Any) -> None:
+        """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
+        with a dense stack against the pool's (the local envs register first)."""
+        reference = None if env is None else self.roster.envs[env].spec_data
+        if reference is None and (env is None or env in self._remote_set):
+            reference = self.remote_spec_data
+        if reference is None and self.same_specs:
+            reference = next((e.spec_data for e in self.roster.envs if e.spec_data), None)
         if reference is not None:
-            where = first_difference(spec, reference)
+            where = first_difference(data, reference)
             if where:
                 slot = "a new env" if env is None else f"env {env}"
                 raise RegistrationError(f"spec mismatch for {slot}: {where}")
-        spec_from_data(spec)  # validate before accepting
+
+    def _welcome(
+        self, record: WorkerRecord, reg: Register, specs: list[tuple[Any, Any]], remote: bool
+    ) -> None:
+        # What its specs hold bounds the frames this worker sends.
+        limit = max_message_bytes(layout_of(spec.zero()) for _, spec in specs)
+        link = Link(
+            record.identity,
+            os.urandom(16),
+            reg.pid,
+            reg.incarnation,
+            Decoder(max_layouts=_REMOTE_LAYOUTS if remote else 256, max_frame_bytes=limit),
+            Encoder(self.config.zero_copy_threshold_bytes),
+            record.envs,
+            remote,
+            record.key,
+        )
+        rejoin = self.roster.go_live(record, link, specs)
+        self.liveness.heard(record.identity, time.monotonic())
+        self._send_welcome(link)
+        self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, rejoin))
+
+    def _send_welcome(self, link: Link) -> None:
+        tcp = self.broker.tcp if link.remote else None
+        limit = link.decoder.max_frame_bytes
+        welcome = Welcome(
+            token=link.token,
+            envs=link.envs,
+            results=tcp.results if tcp else self.broker.results_endpoint(limit),
+            beats=tcp.beats if tcp else None,
+            epoch=self.broker.epoch,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_liveness=self.config.heartbeat_liveness,
+        )
+        header = Header(Command.WELCOME, body=welcome.to_body())
+        self.broker.route(link.identity, [header.encode()], link.remote)
+
+
+def peer_key(frame: zmq.Frame) -> str | None:
+    """The CURVE public key (z85) libzmq authenticated the sender of ``frame`` with.
+
+    None without CURVE (``insecure``): there is no key to know a peer by.
+    """
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:  # no ZAP handler answered for this connection
+        return None

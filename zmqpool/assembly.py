@@ -39,7 +39,8 @@ from zmqpool.synthesis import next_root_after_restart, truncated_next
 from zmqpool.wire import Command
 
 ENV_INDEX = "env_index"
-_STEP_COMMANDS = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
+#: Commands whose result is the input root with "next" set (a raw step returns "next" itself).
+_WITH_NEXT = (Command.STEP, Command.STEP_AND_MAYBE_RESET)
 #: Where a worker puts the input root an env edited in place (after the usual parts).
 _EDITED_ROOT_PART = {Command.STEP: 1, Command.STEP_AND_MAYBE_RESET: 2}
 
@@ -96,7 +97,7 @@ class Assembler:
         if any(r.pending.command != command for r in replies):
             raise RuntimeError("cannot stack replies to different commands in one recv")
         idx = [r.env for r in replies]
-        if command in _STEP_COMMANDS:
+        if command in _WITH_NEXT:
             root = self.stack([self.input_part(r) for r in replies])
             _attach(root, "next", self.stack_next(replies))
         else:
@@ -116,7 +117,7 @@ class Assembler:
         straight back with ``env_index=``.
         """
         command = reply.pending.command
-        if command in _STEP_COMMANDS:
+        if command in _WITH_NEXT:
             root = _as_tensordict(self.input_part(reply))
             root.set("next", _as_tensordict(self.next_part(reply)))
         else:

@@ -1,25 +1,29 @@
-"""The pool's sockets: a ROUTER that routes commands to workers by env index, a PULL for results.
+"""The pool's sockets: ROUTERs that route commands to workers, PULLs for results, the beacon.
 
 ::
 
-    pool ──send()──▶ ROUTER (bind) ── [identity, header, frames…] ──▶ worker DEALER
-    pool ◀─poll()─── PULL (bind)   ◀── [header, frames…] ─────────── worker PUSH
-                     ROUTER        ◀── REGISTER / FAILED / HEARTBEAT ─ worker DEALER
+    pool ──route()──▶ ROUTER (bind) ── [identity, header, frames…] ──▶ worker DEALER
+    pool ◀──poll()─── PULL (bind)   ◀── [header, frames…] ─────────── worker PUSH
+                      ROUTER        ◀── REGISTER / FAILED / HEARTBEAT ─ worker DEALER
 
-``ROUTER_MANDATORY`` is on, so a command to a worker that is not connected
-raises instead of vanishing. ``ROUTER_HANDOVER`` is off: with it, any peer
-presenting a live worker's identity would take over its route; a restarted
-worker registers only after its predecessor's connection is gone. Local
-worker processes are watched through pidfds polled beside the sockets: a
-death is seen at once, not after a timeout. ``MAXMSGSIZE`` is set per
-socket (and, for local workers, per results endpoint) from the layouts the
-worker's specs imply, so an oversized frame is refused by libzmq before it
-is allocated.
+Two sides, never sharing a socket:
 
-The broker only moves frames and keeps the :class:`~zmqpool.state.Ledger`
-true; what to do about a dead worker is the pool's decision, so the broker
-reports it as a typed event (:data:`Event`: :class:`ProcessExited`,
-:class:`WorkerFailed`, :class:`WorkerRegistered`).
+- the **local** side (:class:`Side`): ipc files in a 0700 directory (or
+  loopback TCP with ``local_transport="tcp"``), without CURVE, for the
+  workers this pool spawned;
+- the **remote** side, with ``bind``: TCP with CURVE (unless ``insecure``),
+  ZAP enforced, for workers on other machines, and the :class:`Beacon`.
+
+Options that libzmq reads when an endpoint is bound (``MAXMSGSIZE``, CURVE,
+the handshake interval) are set on each socket before its bind, so one side
+never inherits the other's. ``ROUTER_MANDATORY`` is on, so a command to a
+worker that is not connected raises instead of vanishing; ``ROUTER_HANDOVER``
+is off, so no peer presenting a live worker's identity takes over its route.
+
+The broker only moves frames: it hands what it reads to a :class:`Sink`
+(results, control messages, and readable file descriptors such as the pidfds
+of local workers, polled beside the sockets) and routes what it is given.
+Who may send what is decided above it.
 """
 
 from __future__ import annotations
@@ -28,226 +32,164 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
-from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import Endpoints
-from zmqpool.errors import EnvError, ProtocolError, RegistrationError, VersionMismatchError
-from zmqpool.launcher import WorkerProcess
 from zmqpool.layout import max_message_bytes
-from zmqpool.policy import Liveness
-from zmqpool.protocol import (
-    Failed,
-    FailureKind,
-    Ping,
-    Refuse,
-    Register,
-    Welcome,
-    recv_frames,
-    send_frames,
-)
+from zmqpool.limits import CURVE_FRAME_OVERHEAD, MAX_REMOTE_CONTROL_BYTES
+from zmqpool.protocol import Ping, recv_frames, send_frames
 from zmqpool.security import ServerKeys, make_server, start_authenticator
-from zmqpool.specs import spec_from_data
-from zmqpool.state import Ledger, Pending, Reply, WorkerRecord
-from zmqpool.wire import Command, Header, encode_message
+from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
 
 #: How many messages one poll drains from a socket before looking at the others.
 _DRAIN_BATCH = 256
+#: What a CURVE handshake may take on the remote side before libzmq drops the peer (ms).
+_HANDSHAKE_MS = 5000
+#: The ZAP domain of the remote side's sockets (enforced: no handler, no peer).
+_ZAP_DOMAIN = b"zmqpool"
+#: The beacon's PUB only ever reads subscriptions (one byte and a prefix).
+_BEACON_MAXMSGSIZE = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class ProcessExited:
-    """A watched local worker process died (its pidfd said so)."""
+class Sink(Protocol):
+    """Who the broker hands its input to."""
 
-    identity: bytes
-    pid: int
-    status: int | None  # None: unknown (it died with its fork server)
-    cause: str | None  # what the launcher knows of why, if anything
+    def on_result(self, frames: list[zmq.Frame], remote: bool) -> None: ...
+    def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None: ...
+    def on_fd(self, fd: int) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerFailed:
-    """A worker could not come up: its env maker raised, its REGISTER would not fit,
-    or it speaks another protocol version."""
+@dataclasses.dataclass
+class Side:
+    """One side's ROUTER and PULL, and where they are bound."""
 
-    identity: bytes
-    kind: FailureKind
-    err: str
-    tb: str = ""
-    env: int = -1  # the env it names, if one
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerRegistered:
-    """A worker was admitted for ``envs``; ``rejoin``: it replaces one that went away."""
-
-    identity: bytes
-    envs: list[int]
-    reg: Register
-    rejoin: bool
-
-
-#: What the broker reports for the pool to decide about.
-Event = ProcessExited | WorkerFailed | WorkerRegistered
-
-
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """The pool's answer to a REGISTER: which envs, and whether they were rebuilt."""
-
-    envs: list[int]
-    rejoin: bool = False  # the envs are fresh: requests in flight get truncations
-    duplicate: bool = False  # the same process registering again: answer, change nothing
-
-
-Admit = Callable[[bytes, Register], Admission]
-EnvErrorHook = Callable[[int, Pending, EnvError], bool]
+    router: zmq.Socket
+    pull: zmq.Socket
+    router_ep: str
+    results_ep: str
+    remote: bool
 
 
 class Broker:
-    """Sockets, registration and result intake; see the module docstring."""
+    """The sockets of one pool; see the module docstring.
 
-    def __init__(
-        self,
-        ledger: Ledger,
-        config: PoolConfig,
-        local: Endpoints,
-        tcp: Endpoints | None = None,
-        keys: ServerKeys | None = None,
-    ) -> None:
-        self.ledger = ledger
+    Args:
+        config: the pool's (the results cap for the remote side, heartbeats).
+        local: where the local side binds.
+        tcp: where the remote side binds, if the pool takes remote workers.
+        keys: CURVE for the remote side (None: ``insecure``).
+    """
+
+    def __init__(self, config: PoolConfig, local: Endpoints) -> None:
         self.config = config
         self.context = zmq.Context()
         self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
-        self.router = self._socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # MAXMSGSIZE is per frame and read when an endpoint is bound. Workers send the
-        # ROUTER one-frame control messages only: nothing longer than a header. A worker
-        # whose REGISTER would not fit fails on its side (limits.MAX_CONTROL_BYTES), saying why.
-        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
-        self.pull = self._socket(zmq.PULL)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes([]))
-        self.router_ep = self._bind(self.router, local.router)
-        self.results_ep = self._bind(self.pull, local.results)
+        self.poller = zmq.Poller()
+        self.local = self._side(local, None, None)
         # One local results endpoint per frame limit, bound when a worker first needs it.
-        self.results_eps: dict[int, str] = {max_message_bytes([]): self.results_ep}
+        self.results_eps: dict[int, str] = {max_message_bytes([]): self.local.results_ep}
         self.auth: Any = None  # the ZAP thread, with CURVE
+        self.remote: Side | None = None
         self.beacon: Beacon | None = None
         self.tcp: Endpoints | None = None
-        if tcp is not None:
-            self._bind_tcp(tcp, keys)
-        self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self.pull, zmq.POLLIN)
-        self.workers: dict[bytes, WorkerRecord] = {}
-        self.processes: dict[int, tuple[bytes, WorkerProcess]] = {}
-        self.events: list[Event] = []
-        self.admit: Admit | None = None
-        self.on_env_error: EnvErrorHook | None = None
-        # A pause longer than two heartbeats means the trainer was away, not the workers.
-        self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
 
-    def _socket(self, kind: int) -> zmq.Socket:
+    # ------------------------------------------------------------ binding
+
+    def _socket(self, kind: int, max_bytes: int, keys: ServerKeys | None, remote: bool) -> Any:
         sock = self.context.socket(kind)
         sock.linger = 0
+        if remote:  # libzmq counts CURVE's own bytes per frame against the limit too
+            max_bytes += CURVE_FRAME_OVERHEAD
+        # MAXMSGSIZE is per frame; libzmq reads it (and CURVE) when an endpoint is bound.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        if remote:
+            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+            if keys is not None:
+                _enforce_curve(sock, keys)
         return sock
 
-    def _bind(self, sock: zmq.Socket, endpoint: str) -> str:
-        sock.bind(endpoint)
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    def _side(self, endpoints: Endpoints, keys: ServerKeys | None, results_cap: int | None) -> Side:
+        """A ROUTER and a PULL, bound; remote (TCP, CURVE) if ``results_cap`` is given."""
+        remote = results_cap is not None
+        # Workers send the ROUTER one-frame control messages only: nothing longer than a
+        # header. A worker whose REGISTER would not fit fails on its side, saying why.
+        control_cap = MAX_REMOTE_CONTROL_BYTES if remote else max_message_bytes([])
+        router = self._socket(zmq.ROUTER, control_cap, keys, remote)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        pull = self._socket(zmq.PULL, results_cap or max_message_bytes([]), keys, remote)
+        side = Side(router, pull, _bind(router, endpoints.router), "", remote)
+        side.results_ep = _bind(pull, endpoints.results)
+        self.poller.register(router, zmq.POLLIN)
+        self.poller.register(pull, zmq.POLLIN)
+        return side
 
     def results_endpoint(self, limit: int) -> str:
         """A local results endpoint taking frames of ``limit`` bytes (bound on first need)."""
         for bound in sorted(self.results_eps):
             if bound >= limit:
                 return self.results_eps[bound]
-        self.pull.setsockopt(zmq.MAXMSGSIZE, limit)
-        endpoint = self._bind(self.pull, f"{self.results_ep}{len(self.results_eps)}")
+        self.local.pull.setsockopt(zmq.MAXMSGSIZE, limit)
+        endpoint = _bind(self.local.pull, f"{self.local.results_ep}{len(self.results_eps)}")
         self.results_eps[limit] = endpoint
         return endpoint
 
-    def _bind_tcp(self, tcp: Endpoints, keys: ServerKeys | None) -> None:
-        """Bind the TCP side; with keys, under CURVE (ipc binds above stay without it)."""
+    def bind_remote(self, tcp: Endpoints, keys: ServerKeys | None, results_cap: int) -> None:
+        """The remote side: its own sockets, CURVE and limits set before they bind.
+
+        ``results_cap``: the largest frame a remote worker may send on the
+        results port (from the layouts the remote slots' reference specs imply).
+        """
         if keys is not None:
             self.auth = start_authenticator(self.context, keys)
-            make_server(self.router, keys)
-            make_server(self.pull, keys)
-        # The TCP results port is fixed before any layout is known: no limit (or a configured one).
-        self.pull.setsockopt(zmq.MAXMSGSIZE, -1)
-        router = self._bind(self.router, tcp.router)
-        results = self._bind(self.pull, tcp.results)
+            if keys.authorized_dir is not None:
+                self.auth.configure_curve(domain=_ZAP_DOMAIN.decode(), location=keys.authorized_dir)
+            else:  # keys are authorized one by one (launched workers), in memory
+                self.auth.certs[_ZAP_DOMAIN.decode()] = {}
+        self.remote = self._side(tcp, keys, results_cap)
         self.beacon = Beacon(self.context, tcp.beats, keys, self.epoch, self.config)
-        self.tcp = Endpoints(router, results, self.beacon.endpoint)
-        log.info("pool listening for remote workers on %s (results %s)", router, results)
+        self.tcp = Endpoints(self.remote.router_ep, self.remote.results_ep, self.beacon.endpoint)
+        log.info(
+            "pool listening for remote workers on %s (results %s)",
+            self.remote.router_ep,
+            self.remote.results_ep,
+        )
 
-    # ------------------------------------------------------------ processes
+    def authorize(self, key: bytes) -> None:
+        """Accept connections with CURVE public key ``key`` (z85), besides ``authorized/``'s."""
+        assert self.auth is not None, "the remote side runs without CURVE"
+        self.auth.certs.setdefault(_ZAP_DOMAIN.decode(), {})[key] = True
 
-    def watch(self, identity: bytes, process: WorkerProcess) -> None:
-        self.processes[process.pidfd] = (identity, process)
-        self.poller.register(process.pidfd, zmq.POLLIN)
+    def revoke(self, key: str) -> None:
+        """No new connection with CURVE public key ``key`` (z85) from now on."""
+        if self.auth is None:
+            return
+        for certs in self.auth.certs.values():
+            certs.pop(key.encode("ascii"), None)
 
-    def kill(self, identity: bytes) -> None:
-        """SIGKILL a local worker; its pidfd then reports the death as usual."""
-        for watched, process in self.processes.values():
-            if watched == identity:
-                process.kill()
+    # ------------------------------------------------------------ file descriptors
 
-    def forget_worker(self, identity: bytes) -> None:
-        self.workers.pop(identity, None)
-        self.liveness.forget(identity)
+    def watch_fd(self, fd: int) -> None:
+        """Poll ``fd`` (a pidfd) beside the sockets; the sink hears when it is readable."""
+        self.poller.register(fd, zmq.POLLIN)
 
-    def unwatch(self, process: WorkerProcess) -> None:
-        if process.pidfd in self.processes:
-            del self.processes[process.pidfd]
-            self.poller.unregister(process.pidfd)
-
-    def _on_process_exit(self, pidfd: int) -> None:
-        identity, process = self.processes[pidfd]
-        self.unwatch(process)
-        status = process.exit_status()
-        cause = process.exit_cause()  # e.g. killed with its fork server: no status to say so
-        process.release()
-        self.events.append(ProcessExited(identity, process.pid, status, cause))
+    def unwatch_fd(self, fd: int) -> None:
+        self.poller.unregister(fd)
 
     # ------------------------------------------------------------ sending
 
-    def send(
-        self,
-        env: int,
-        command: Command,
-        payload: Any,
-        per_env: bool,
-        inputs: Any,
-        body: dict[str, Any] | None = None,
-    ) -> Pending:
-        """Record one request and route it to the worker hosting ``env``."""
-        now = time.monotonic()
-        pending = self.ledger.open_request(env, command, per_env, inputs, payload, body, now)
-        self.dispatch(env, pending)
-        return pending
-
-    def dispatch(self, env: int, pending: Pending) -> None:
-        """Send a recorded request; while its worker restarts, it waits in the ledger."""
-        slot = self.ledger.slots[env]
-        worker = slot.worker
-        if worker is None:
-            return  # re-dispatched when the worker registers again
-        command, payload = self.ledger.command_to_send(env, pending)
-        parts = [] if payload is None else [worker.encoder.encode(payload)]
-        pending.sent_at = time.monotonic()
-        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
-        self.route(worker.identity, frames)
-
-    def route(self, identity: bytes, frames: list[Any]) -> bool:
+    def route(self, identity: bytes, frames: list[Any], remote: bool) -> bool:
+        """Send ``frames`` to the worker ``identity`` on its side; False if it is not connected."""
+        side = self.remote if remote else self.local
+        if side is None:
+            return False
         try:
-            send_frames(self.router, [identity, *frames])
+            send_frames(side.router, [identity, *frames])
         except zmq.ZMQError as err:  # EHOSTUNREACH: the worker is gone; liveness handles it
             log.debug("could not route to %r: %s", identity, err)
             return False
@@ -255,195 +197,72 @@ class Broker:
 
     # ------------------------------------------------------------ receiving
 
-    def poll(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for traffic, then take in what is ready.
+    def poll(self, timeout_s: float, sink: Sink) -> bool:
+        """Wait up to ``timeout_s`` for input, then hand what is ready to ``sink``.
 
-        Returns whether both sockets were drained (nothing left unread), the
-        condition for judging anyone's silence or lateness fairly.
+        Returns whether every socket was read to the end.
         """
-        self.liveness.listening(time.monotonic())
         events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
         drained = True
-        if self.pull in events:
-            drained &= self._drain(self.pull, self._on_result)
-        if self.router in events:
-            drained &= self._drain(self.router, self._on_control)
-        for fd in list(events):
-            if isinstance(fd, int) and fd in self.processes:
-                self._on_process_exit(fd)
+        for side in (self.local, self.remote):
+            if side is None:
+                continue
+            if side.pull in events:
+                drained &= _drain(side.pull, sink.on_result, side.remote)
+            if side.router in events:
+                drained &= _drain(side.router, _Control(sink), side.remote)
+        for fd in events:
+            if isinstance(fd, int):
+                sink.on_fd(fd)
         return drained
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> bool:
-        for _ in range(_DRAIN_BATCH):
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                return True
-            handle(frames)
-        return False
-
-    def _on_result(self, frames: list[zmq.Frame]) -> None:
-        try:
-            header = Header.decode(frames[0].buffer)
-        except ProtocolError as err:
-            self.ledger.drop(f"malformed result header: {type(err).__name__}")
-            return
-        if header.command not in (Command.RESULT, Command.ERROR):
-            self.ledger.drop("not a result on the results socket")
-            return
-        pending = self.ledger.match(header.env, header.seq, header.token, time.monotonic())
-        if pending is None:
-            return
-        worker = self.ledger.slots[header.env].worker
-        assert worker is not None  # match() checked the token against it
-        self.liveness.heard(worker.identity, time.monotonic())
-        if header.command == Command.ERROR:
-            error, kind = _env_error(header)
-            reply = Reply(header.env, pending, error=error)
-            if kind is FailureKind.ENV and self._handled_as_crash(header.env, reply):
-                return
-        else:
-            reply = self._reply(header, pending, frames[1:])
-        self.ledger.deliver(reply)
-
-    def _handled_as_crash(self, env: int, reply: Reply) -> bool:
-        if self.on_env_error is None or not isinstance(reply.error, EnvError):
-            return False
-        return self.on_env_error(env, reply.pending, reply.error)
-
-    def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
-        worker = self.ledger.slots[header.env].worker
-        assert worker is not None  # match() checked the token against it
-        try:
-            parts = worker.decoder.decode(header, frames)
-        except ProtocolError as err:
-            # The request was real; its reply is broken: answer it with the error.
-            return Reply(header.env, pending, error=EnvError(header.env, f"malformed reply: {err}"))
-        return Reply(header.env, pending, parts=parts, synthesized=pending.synth)
-
-    def _on_control(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
-            self.ledger.drop("control message without a header")
-            return
-        identity = frames[0].bytes
-        try:
-            header = Header.decode(frames[1].buffer)
-        except ProtocolError as err:
-            self.ledger.drop(f"malformed control header: {type(err).__name__}")
-            self._refuse_if_version(identity, err)
-            return
-        handler = self._CONTROL.get(header.command)
-        if handler is None:
-            self.ledger.drop("unexpected command on the control socket")
-            return
-        handler(self, identity, header)
-
-    def _refuse_if_version(self, identity: bytes, err: ProtocolError) -> None:
-        if not isinstance(err, VersionMismatchError):
-            return
-        log.warning("refused worker %r: %s", identity, err)
-        # A worker of another version cannot read our REFUSE (it reads the
-        # version first and stops); our own process cannot tell us either, so
-        # the pool hears of it here.
-        self._refuse(identity, str(err))
-        if self._spawned(identity):
-            self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
-
-    def _refuse(self, identity: bytes, reason: str) -> None:
-        refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
-        self.route(identity, [refusal.encode()])
-
-    def _on_heartbeat(self, identity: bytes, header: Header) -> None:
-        worker = self.workers.get(identity.removesuffix(b"!hb"))
-        if worker is None:
-            self.ledger.drop("heartbeat from an identity that is not a registered worker")
-            return
-        self.liveness.heard(worker.identity, time.monotonic())
-
-    def _spawned(self, identity: bytes) -> bool:
-        return any(watched == identity for watched, _ in self.processes.values())
-
-    def _on_failed(self, identity: bytes, header: Header) -> None:
-        if identity not in self.workers and not self._spawned(identity):
-            self.ledger.drop("FAILED from an identity that is not a worker")
-            return
-        try:
-            failed = Failed.from_body(header.body)
-        except ProtocolError as err:
-            self.ledger.drop(f"malformed FAILED: {type(err).__name__}")
-            log.warning("worker %r sent a malformed FAILED: %s", identity, err)
-            return
-        # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
-        event = WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env)
-        self.events.append(event)
-
-    def _on_register(self, identity: bytes, header: Header) -> None:
-        try:
-            reg = Register.from_body(header.body)
-            if self.admit is None:
-                raise RegistrationError("this pool takes no registrations yet")
-            admission = self.admit(identity, reg)
-        except (RegistrationError, ProtocolError) as err:
-            log.warning("refused worker %r: %s", identity, err)
-            self._refuse(identity, str(err))
-            return
-        self._welcome(identity, admission, reg)
-
-    def _welcome(self, identity: bytes, admission: Admission, reg: Register) -> None:
-        known = self.workers.get(identity)
-        if admission.duplicate and known is not None:
-            self._send_welcome(identity, known, reg)  # our WELCOME was lost: say it again
-            return
-        envs = admission.envs
-        token = os.urandom(16)
-        # admit() validated the specs; what they hold bounds the frames this worker sends.
-        limit = max_message_bytes(layout_of(spec_from_data(s).zero()) for s in reg.specs)
-        record = WorkerRecord(
-            identity,
-            token,
-            tuple(envs),
-            reg.pid,
-            Decoder(max_frame_bytes=limit),
-            Encoder(self.config.zero_copy_threshold_bytes),
-        )
-        self.workers[identity] = record
-        self.liveness.heard(identity, time.monotonic())
-        self.ledger.attach(envs, record)
-        self._send_welcome(identity, record, reg)
-        self.events.append(WorkerRegistered(identity, list(envs), reg, admission.rejoin))
-
-    def _send_welcome(self, identity: bytes, record: WorkerRecord, reg: Register) -> None:
-        tcp = self.tcp if reg.remote else None
-        welcome = Welcome(
-            token=record.token,
-            envs=record.envs,
-            results=tcp.results if tcp else self.results_endpoint(record.decoder.max_frame_bytes),
-            beats=tcp.beats if tcp else None,
-            epoch=self.epoch,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
-            heartbeat_liveness=self.config.heartbeat_liveness,
-        )
-        self.route(identity, [Header(Command.WELCOME, body=welcome.to_body()).encode()])
-
-    _CONTROL = {
-        Command.REGISTER: _on_register,
-        Command.FAILED: _on_failed,
-        Command.HEARTBEAT: _on_heartbeat,
-    }
-
-    def take_events(self) -> list[Event]:
-        events, self.events = self.events, []
-        return events
-
     def close(self) -> None:
+        """Close every socket, then stop the ZAP handler (never the other way round)."""
         if self.beacon is not None:
             self.beacon.stop()
-        if self.auth is not None:
+        for side in (self.local, self.remote):
+            if side is not None:
+                side.router.close(linger=0)
+                side.pull.close(linger=0)
+        if self.auth is not None:  # its own sockets live in this context: before destroy()
             self.auth.stop()
-        for pidfd in list(self.processes):
-            self.poller.unregister(pidfd)
-        self.processes.clear()
         self.context.destroy(linger=0)
+
+
+def _enforce_curve(sock: zmq.Socket, keys: ServerKeys) -> None:
+    """CURVE server, with every peer checked by the ZAP handler (refused if it is gone).
+
+    Without an enforced ZAP domain libzmq accepts any key when no handler
+    answers, as while the pool closes.
+    """
+    sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    make_server(sock, keys)
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame], bool], None], remote: bool) -> bool:
+    for _ in range(_DRAIN_BATCH):
+        try:
+            frames = recv_frames(sock)
+        except zmq.Again:
+            return True
+        handle(frames, remote)
+    return False
+
+
+class _Control:
+    """A ROUTER's messages to the sink: the identity frame apart."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def __call__(self, frames: list[zmq.Frame], remote: bool) -> None:
+        self.sink.on_control(frames[0].bytes, frames[1:], remote)
 
 
 class Beacon:
@@ -464,8 +283,10 @@ class Beacon:
     ) -> None:
         self.sock = context.socket(zmq.PUB)
         self.sock.linger = 0
+        self.sock.setsockopt(zmq.MAXMSGSIZE, _BEACON_MAXMSGSIZE)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         if keys is not None:
-            make_server(self.sock, keys)
+            _enforce_curve(self.sock, keys)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.beat = Header(Command.PING, body=Ping(epoch).to_body()).encode()
@@ -487,12 +308,3 @@ class Beacon:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=2 * self.interval_s + 1)
-
-
-def _env_error(header: Header) -> tuple[EnvError, FailureKind | None]:
-    """An ERROR reply as the caller's error, and what kind of failure it reports."""
-    try:
-        failed = Failed.from_body(header.body)
-    except ProtocolError as err:  # the request was real; answer it with what is wrong
-        return EnvError(header.env, f"malformed error reply: {err}"), None
-    return EnvError(header.env, failed.err, failed.tb), failed.kind

@@ -15,6 +15,7 @@ the trainer's alone (:mod:`zmqpool.batching`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from zmqpool.layout import (
     build_layout,
     member_name,
 )
-from zmqpool.limits import MAX_FRAME_BYTES, MAX_LAYOUT_ID, is_int
+from zmqpool.limits import MAX_FRAME_BYTES, MAX_LAYOUT_ID, MAX_NONTENSOR_ITEMS, is_int
 
 if TYPE_CHECKING:
     from zmqpool.wire import Header
@@ -437,7 +438,9 @@ class Decoder:
 
     One decoder per connection; its layouts are those the peer announced. A
     layout with a frame larger than ``max_frame_bytes`` is refused when it is
-    announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive).
+    announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive),
+    and so is one with more than :data:`~zmqpool.limits.MAX_NONTENSOR_ITEMS`
+    non-tensor values.
     """
 
     def __init__(self, max_layouts: int = 256, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
@@ -465,6 +468,15 @@ class Decoder:
             raise ProtocolError(
                 f"layout has a frame of {largest} bytes; this connection takes at most "
                 f"{self.max_frame_bytes}"
+            )
+        items = len(layout.nontensor_keys) + sum(
+            math.prod(batch)
+            for batch, stacked in zip(layout.nontensor_batches, layout.stacked, strict=False)
+            if stacked
+        )
+        if items > MAX_NONTENSOR_ITEMS:
+            raise ProtocolError(
+                f"layout has {items} non-tensor values; at most {MAX_NONTENSOR_ITEMS} are taken"
             )
         return layout
 

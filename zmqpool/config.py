@@ -26,7 +26,9 @@ class PoolConfig:
     register_timeout_s: float = 120.0
     #: how long ``close()`` waits for workers to exit before killing them.
     close_timeout_s: float = 3.0
-    #: an env step or reset running longer than this is hung (None: never).
+    #: an env step or reset running longer than this is hung (None: never): a
+    #: local worker is killed and restarted; a remote worker's slots are
+    #: vacated (its token void) and wait ``rejoin_timeout_s`` for a worker.
     step_timeout_s: float | None = None
     #: how often local workers and the pool's beacon send heartbeats (a remote
     #: worker sends at its own ``--heartbeat-interval``).
@@ -45,6 +47,17 @@ class PoolConfig:
     rejoin_timeout_s: float = 60.0
     #: leaves at least this large travel as their own zero-copy frame.
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
+    #: the largest frame a remote worker may send on the TCP results port (a
+    #: result's leaf, or its header) when the remote slots have no reference
+    #: spec to size it from (a remote-only pool without ``remote_spec``, or a
+    #: lazy stack); libzmq refuses a larger frame before allocating it.
+    max_remote_frame_bytes: int = 64 << 20
+    #: what a remote worker's specs may cost the trainer once built (a
+    #: bounded leaf's low, high and zero at full shape), checked before
+    #: anything is built; local envs get ``zmqpool.limits.MAX_SPEC_BYTES``.
+    max_remote_spec_bytes: int = 256 << 20
+    #: how many remote env slots one worker key may hold (None: any number).
+    max_slots_per_key: int | None = None
     #: fork local workers from a process that imported torchrl once (restarts
     #: in milliseconds); False starts each worker as a fresh interpreter.
     fork_server: bool = True
@@ -64,7 +77,7 @@ class PoolConfig:
                 if not isinstance(value, bool):
                     raise ValueError(f"PoolConfig.{field.name} must be a bool, got {value!r}")
                 continue
-            if value is None and field.name == "step_timeout_s":
+            if value is None and field.name in ("step_timeout_s", "max_slots_per_key"):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"PoolConfig.{field.name} must be a number >= 0, got {value!r}")

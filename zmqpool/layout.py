@@ -496,12 +496,15 @@ def _check_starts_with(shape: tuple[int, ...], batch: tuple[int, ...], key: Key,
         )
 
 
-def max_message_bytes(layouts: Iterable[Layout], headroom: float = 2.0) -> int:
+def max_message_bytes(
+    layouts: Iterable[Layout], headroom: float = 2.0, header_bytes: int = MAX_HEADER_BYTES
+) -> int:
     """A ZMQ ``MAXMSGSIZE`` (a per-frame limit) for a peer that sends these layouts.
 
     The largest frame such a peer can send is its header (at most
-    :data:`MAX_HEADER_BYTES`) or a tensor frame, and no tensor frame is larger
-    than all of a layout's leaves packed, whatever the zero-copy threshold.
+    ``header_bytes``, :data:`MAX_HEADER_BYTES` by default) or a tensor frame,
+    and no tensor frame is larger than all of a layout's leaves packed,
+    whatever the zero-copy threshold.
     ``headroom`` multiplies the latter: a frame over the limit disconnects the
     peer and loses its reply, so the limit must not be tight (an env may return
     leaves its spec does not declare). Layouts of specs:
@@ -517,7 +520,7 @@ def max_message_bytes(layouts: Iterable[Layout], headroom: float = 2.0) -> int:
         True
     """
     largest = max((_all_packed_nbytes(layout) for layout in layouts), default=0)
-    return max(MAX_HEADER_BYTES, math.ceil(largest * headroom))
+    return max(header_bytes, math.ceil(largest * headroom))
 
 
 def _all_packed_nbytes(layout: Layout) -> int:

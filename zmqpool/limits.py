@@ -36,6 +36,27 @@ MAX_PARTS = 4
 #: Layout ids are below this (a decoder holds far fewer: its ``max_layouts``).
 MAX_LAYOUT_ID = 1 << 31
 
+# ---------------------------------------------------------------- a worker's sockets
+#
+# libzmq reads a TCP peer's CURVE handshake with the socket's frame decoder
+# before the peer is authenticated, so a socket without ``MAXMSGSIZE`` lets any
+# peer that can reach it announce a frame of gigabytes and have it allocated
+# while the bytes arrive. Every socket a worker connects gets a limit before it
+# connects (``MAXMSGSIZE`` is read per endpoint at connect time).
+
+#: The most bytes a frame's CURVE encryption adds to it (libzmq counts them
+#: against ``MAXMSGSIZE``; 33 measured, see :data:`MAX_CONTROL_BYTES`).
+CURVE_FRAME_OVERHEAD = 64
+#: ``MAXMSGSIZE`` of a worker's SUB (the pool's heartbeats) and of its sockets
+#: that receive no messages at all (its PUSH): a PING is a header of under 100
+#: bytes (an epoch of at most 64), and the handshake commands a CURVE server
+#: sends (WELCOME: 168 bytes; READY: its socket type and identity) fit too.
+MAX_BEAT_BYTES = 1 << 10
+#: ``HANDSHAKE_IVL`` of a worker's TCP connections, in milliseconds: a peer that
+#: has not finished the ZMTP and CURVE handshake by then is dropped (libzmq's
+#: default is 30 s, time enough to trickle a frame of gigabytes in).
+TCP_HANDSHAKE_MS = 5_000
+
 # ---------------------------------------------------------------- layouts
 
 #: The most tensor leaves, non-tensor keys, nested tensordicts, lazy stacks or
@@ -71,6 +92,18 @@ MAX_NUMEL = 2**31
 MAX_SPEC_BYTES = 2**30
 #: Deepest nesting of Composite / stacked specs, and of ``example_data``.
 MAX_DEPTH = 32
+#: Most frames of one message that are kept (a header, and per part a packed
+#: frame and its own-frame leaves). libzmq holds a whole message before it can
+#: be read; this bounds what the pool keeps of one, not what libzmq took in.
+MAX_MESSAGE_FRAMES = 1 + MAX_PARTS * 256
+#: Most non-tensor values one layout may carry (each stacked one counted per
+#: element): each becomes a Python object in the trainer.
+MAX_NONTENSOR_ITEMS = 16384
+#: The remote side's frame limit for control messages (a REGISTER and its
+#: specs). libzmq applies it to the CURVE handshake too, before any key is
+#: checked: a keyless peer can make the pool hold at most this much per
+#: connection, for the handshake interval.
+MAX_REMOTE_CONTROL_BYTES = 256 << 10
 
 
 def is_int(value: Any) -> bool:

@@ -15,76 +15,30 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NoReturn, TypeGuard
+from typing import Any, Literal, NoReturn
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase
 
+from zmqpool.arguments import (
+    check_network_args,
+    is_single_maker,
+    public_key_of,
+    with_remote_slots,
+)
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
-from zmqpool.errors import (
-    PoolClosedError,
-)
+from zmqpool.errors import PoolClosedError
+from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
 from zmqpool.runtime import PoolPlan, Resources, Runtime
-from zmqpool.specs import spec_from_data
-from zmqpool.state import Channel, Kind, Reply
+from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
 from zmqpool.validation import check_step_input
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
-
-#: Commands whose input must hold the actions: checked before anything is sent.
-_CHECKED_COMMANDS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
-_ENV_INDEX = "env_index"
-
-
-def _is_plain_batch(tensordict: Any) -> TypeGuard[TensorDict]:
-    """A TensorDict itself (not a subclass or lazy stack) of one batch dim: the fast path."""
-    return type(tensordict) is TensorDict and tensordict.batch_dims == 1
-
-
-def _is_single_maker(env_makers: Any) -> bool:
-    return not isinstance(env_makers, (Sequence, EnvBase))
-
-
-class _RemoteSlot:
-    """Stands in the env-maker list for an env that a remote worker will host."""
-
-    def __repr__(self) -> str:
-        return "<remote env slot>"
-
-
-def _with_remote_slots(env_makers: Any, kwargs: Any, remote: int) -> tuple[list, Any]:
-    makers = [env_makers] if _is_single_maker(env_makers) or isinstance(env_makers, EnvBase) else []
-    makers = makers or list(env_makers)
-    if kwargs is None or isinstance(kwargs, dict):
-        kwargs = [dict(kwargs or {}) for _ in makers]
-    if len(kwargs) != len(makers):
-        raise ValueError(
-            f"create_env_kwargs must be a dict or a list of {len(makers)} dicts, one per local env"
-        )
-    return makers + [_RemoteSlot()] * remote, list(kwargs) + [{}] * remote
-
-
-def _check_network_args(remote: int, bind, keys, insecure: bool, local_transport: str) -> None:
-    if not isinstance(remote, int) or isinstance(remote, bool) or remote < 0:
-        raise ValueError(f"remote_envs must be a non-negative integer, got {remote!r}")
-    if remote and bind is None:
-        raise ValueError("remote_envs needs bind='tcp://HOST:PORT' for the workers to reach")
-    if local_transport not in ("ipc", "tcp"):
-        raise ValueError(f"local_transport must be 'ipc' or 'tcp', got {local_transport!r}")
-    if bind is None:
-        return
-    if keys is None and not insecure:
-        raise ValueError(
-            f"binding {bind} without CURVE would let anyone who reaches it step your envs: "
-            "pass curve_keys=DIR (made by `zmqpool keygen DIR`), or insecure=True to accept that"
-        )
-    if keys is None:
-        log.warning("binding %s WITHOUT encryption or authentication (insecure=True)", bind)
 
 
 class ZMQAsyncEnvPool(AsyncEnvPool):
@@ -112,7 +66,18 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             ``authorized/`` folder may connect.
         insecure: bind TCP without CURVE (anyone who reaches the port can
             step your envs); refused unless set, and logged as a warning.
-        local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback) for local workers.
+        local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback, refused with
+            ``bind``: no CURVE) for local workers.
+        remote_workers: remote workers the pool starts itself, e.g.
+            :class:`~zmqpool.ray_workers.RayWorkers` (one, or a list): their
+            env slots come right after the local envs, before ``remote_envs``
+            more for workers started by hand. Needs ``bind``; without
+            ``curve_keys`` the pool makes its CURVE pair in memory.
+        remote_spec: the specs every remote worker must register (an env's
+            ``specs``). Without it, remote slots are held to the local envs'
+            specs (``stack="dense"``), or in a remote-only pool to the first
+            remote worker's; with it, a worker bringing other specs is refused
+            before they are built, and the results port is sized from it.
         backend, exchange: accepted for compatibility with code written for
             torchrl's pool; the transport is always ZeroMQ.
 
@@ -141,6 +106,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         curve_keys: str | os.PathLike | None = None,
         insecure: bool = False,
         local_transport: Literal["ipc", "tcp"] = "ipc",
+        remote_spec: Any = None,
+        remote_workers: Any = None,
         backend: str | None = None,
         exchange: str | None = None,
     ) -> None:
@@ -148,15 +115,23 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise ValueError(f"ZMQAsyncEnvPool runs envs in processes; backend={backend!r}")
         if exchange not in (None, "queue", "shm", "auto"):
             raise ValueError(f"exchange must be 'queue', 'shm' or 'auto', got {exchange!r}")
-        if _is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
+        if is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
             # One maker and one kwargs dict per env: torchrl refuses this; it means N envs.
             env_makers = [env_makers] * len(create_env_kwargs)
         if on_env_error not in ("raise", "restart"):
             raise ValueError(f"on_env_error must be 'raise' or 'restart', got {on_env_error!r}")
-        _check_network_args(remote_envs, bind, curve_keys, insecure, local_transport)
+        launchers = _as_list(remote_workers)
+        # Launched workers get keys the pool makes: it can make its own pair in memory too.
+        keys = curve_keys if curve_keys is not None else ("in memory" if launchers else None)
+        check_network_args(remote_envs + bool(launchers), bind, keys, insecure, local_transport)
+        remote_envs += sum(launcher.num_envs for launcher in launchers)
+        self.remote_workers = launchers
         self.remote_envs, self.bind = remote_envs, bind
         self.curve_keys, self.local_transport = curve_keys, local_transport
-        env_makers, create_env_kwargs = _with_remote_slots(
+        if remote_spec is not None and not remote_envs:
+            raise ValueError("remote_spec is the spec of remote slots: it needs remote_envs > 0")
+        self.remote_spec = remote_spec
+        env_makers, create_env_kwargs = with_remote_slots(
             env_makers, create_env_kwargs, remote_envs
         )
         self.num_local_envs = len(env_makers) - remote_envs
@@ -189,11 +164,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _start(self) -> tuple[Any, Any]:
         self._runtime = Runtime(self._plan(), self._resources)
-        spec_data = self._runtime.start()
-        self._child_specs = [spec_from_data(data) for data in spec_data]
+        self._child_specs = self._runtime.start()
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
         self._assembler = Assembler(
             self.stack, self._stack_func, self._child_specs, self.config.zero_copy_threshold_bytes
+        )
+        self._indexer = EnvIndexer(
+            self._env_batch_sizes, self.device, self.stack == "dense", self._assembler.set_env_index
         )
         specs: Any = torch.stack(list(self._child_specs))
         # Cloned, as torchrl's threading pool does: a lazy stack of specs (envs whose
@@ -213,7 +190,19 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             bind=self.bind,
             curve_keys=self.curve_keys,
             local_transport=self.local_transport,
+            remote_spec=self.remote_spec,
+            launchers=tuple(self.remote_workers),
         )
+
+    @property
+    def runtime(self) -> Runtime:
+        """The machinery below torchrl's API, for tools and tests (see :mod:`zmqpool.runtime`).
+
+        Its roster says who hosts which env and in which phase each worker and
+        env is; its ledger, what is in flight. Read it; changing it is the
+        runtime's business.
+        """
+        return self._runtime
 
     @property
     def remote_endpoint(self) -> str | None:
@@ -270,7 +259,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         edited = self._assembler.edited_roots(replies)
         if edited is not None:
-            tensordict.update(edited.exclude(_ENV_INDEX), inplace=True)
+            tensordict.update(edited.exclude(ENV_INDEX), inplace=True)
 
     def step_and_maybe_reset(
         self, tensordict: TensorDictBase
@@ -311,16 +300,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         make_if_none: bool,
     ) -> None:
         self._check_open()
-        self._check_env_index_arg(env_index)
-        if isinstance(env_index, Sequence):
-            env_index = self._check_indices(list(env_index), tensordict)
-        tensordict, env_idx = self._tag_batch(tensordict, env_index, make_if_none)
-        if command in _CHECKED_COMMANDS:
+        tensordict, env_idx = self._indexer.batch(tensordict, env_index, make_if_none)
+        if command in STEPS:
             strict = self.config.strict_inputs
             check_step_input(tensordict, env_idx, self.input_spec, self.num_envs, strict)
         per_env = isinstance(env_index, int)
-        kind = Kind.STEP_RESET if command == Command.STEP_AND_MAYBE_RESET else None
-        kind = kind or (Kind.STEP if command in (Command.STEP, Command.STEP_RAW) else Kind.RESET)
+        kind = KIND_OF[command]
         self._runtime.refuse_lost(env_idx)
         if not per_env:
             busy = self._busy.intersection(env_idx)
@@ -343,90 +328,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _maybe_make_tensordict(
         self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
     ) -> tuple[TensorDictBase, list[int]]:
-        """torchrl's: the batch to send, with ``env_index`` set, and its env indices.
-
-        torchrl's reads one index per element (``view(-1)``), so a pool of
-        children with batch dims of their own sees every env repeated; here
-        the indices are read along the env dim, and new tensordicts get the
-        children's batch size.
-        """
-        if env_index is None:
-            return self._indexed_batch(tensordict)
-        if isinstance(env_index, int):
-            return self._one_env_batch(tensordict, env_index, make_if_none), [env_index]
-        env_index = list(env_index)
-        if tensordict is None and make_if_none:
-            tensordict = self._empty_batch(env_index)
-        if tensordict is None:
-            raise TypeError("a tensordict is needed to step envs")
-        self._assembler.set_env_index(tensordict, env_index)
-        return tensordict, env_index
-
-    def _indexed_batch(self, tensordict: Any) -> tuple[TensorDictBase, list[int]]:
-        if tensordict is None:
-            raise TypeError("a tensordict with an 'env_index' entry, or env_index=, is needed")
-        if _ENV_INDEX not in tensordict:
-            raise KeyError(
-                "the tensordict has no 'env_index' entry: pass env_index= or set it "
-                "(results of this pool carry it)"
-            )
-        env_idx = _indices_along_env_dim(tensordict.get(_ENV_INDEX))
-        if isinstance(env_idx, int):  # one env's own tensordict (NonTensorData index)
-            if tensordict.shape != (1, *self.env_batch_sizes[env_idx]):
-                tensordict = lazy_stack([tensordict])
-            return tensordict, [env_idx]
-        return tensordict, env_idx
-
-    def _one_env_batch(self, tensordict: Any, env: int, make_if_none: bool) -> TensorDictBase:
-        if tensordict is None and make_if_none:
-            tensordict = TensorDict(batch_size=self.env_batch_sizes[env], device=self.device)
-        if tensordict is None:
-            raise TypeError(f"a tensordict is needed to step env {env}")
-        tensordict.set(_ENV_INDEX, NonTensorData(env, batch_size=tensordict.batch_size))
-        return lazy_stack([tensordict])  # unbind(0) gives the caller's tensordict back
-
-    def _empty_batch(self, env_index: list[int]) -> TensorDictBase:
-        sizes = [self.env_batch_sizes[i] for i in env_index]
-        if self.stack == "dense" and len(set(sizes)) <= 1:
-            lead = sizes[0] if sizes else torch.Size()
-            return TensorDict(batch_size=(len(env_index), *lead), device=self.device)
-        return LazyStackedTensorDict(*[TensorDict(batch_size=b, device=self.device) for b in sizes])
-
-    def _tag_batch(
-        self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
-    ) -> tuple[TensorDictBase, list[int]]:
-        """torchrl's ``_maybe_make_tensordict``, then the batch's indices checked against it.
-
-        A plain batch with its env indices (the hot path) is tagged here, at a
-        fraction of the cost: its ``env_index`` is the same ``NonTensorStack``.
-        """
-        if isinstance(env_index, list) and _is_plain_batch(tensordict):
-            self._assembler.set_env_index(tensordict, env_index)
-            return tensordict, env_index  # both checked by _check_indices already
-        tensordict, env_idx = self._maybe_make_tensordict(tensordict, env_index, make_if_none)
-        env_idx = self._check_indices(list(env_idx), tensordict)
-        return tensordict, env_idx
-
-    def _check_env_index_arg(self, env_index: Any) -> None:
-        if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
-            raise IndexError(f"env_index {env_index} is out of range for {self.num_envs} envs")
-
-    def _check_indices(self, env_idx: list, tensordict: TensorDictBase | None) -> list[int]:
-        """Refuse bad indices before anything is sent or written into the caller's tensordict."""
-        if any(isinstance(i, bool) or not isinstance(i, (int, torch.Tensor)) for i in env_idx):
-            raise TypeError(f"env indices must be integers, got {env_idx}")
-        env_idx = [int(i) for i in env_idx]
-        bad = [i for i in env_idx if not 0 <= i < self.num_envs]
-        if bad:
-            raise IndexError(f"env indices {bad} are out of range for {self.num_envs} envs")
-        if len(set(env_idx)) != len(env_idx):
-            raise ValueError(f"env indices {env_idx} repeat an env")
-        if tensordict is not None and tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
-            raise ValueError(
-                f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
-                f"the {len(env_idx)} env indices {env_idx}"
-            )
-        return env_idx
+        """torchrl's hook, read along the env dim (see :meth:`EnvIndexer.make`)."""
+        return self._indexer.make(tensordict, env_index, make_if_none)
 
     def async_step_send(self, tensordict, env_index=None) -> None:
         self._send(Command.STEP, tensordict, env_index, False)
@@ -490,7 +393,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     ) -> list[Reply]:
         self._check_open()
         if env_index is not None:
-            self._check_env_index_arg(env_index)
+            self._indexer.check_arg(env_index)
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
             replies = self._runtime.collect(channel, 1, 1, None, self._raise_taken)
@@ -567,8 +470,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             >>> pool.env_stats()[0]["restarts"]  # doctest: +SKIP
             0
         """
-        ledger = self._runtime.ledger
-        result = {slot.index: env_stats(slot) for slot in ledger.slots}
+        ledger, roster = self._runtime.ledger, self._runtime.roster
+        result = {s.index: env_stats(s, roster.envs[s.index]) for s in ledger.slots}
         if reset:
             ledger.clear_latencies()
         return result
@@ -599,11 +502,26 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         Example:
             >>> os.kill(pool.worker_pid(0), signal.SIGKILL)  # doctest: +SKIP
         """
-        self._check_env_index_arg(env_index)
+        self._indexer.check_arg(env_index)
         if env_index >= self.num_local_envs:
             return None
         process = self.worker_processes().get(env_index // self.envs_per_worker)
         return None if process is None else process.pid
+
+    def revoke_worker_key(self, key: str | bytes | os.PathLike) -> list[int]:
+        """Refuse a remote worker key from now on: a ``.key`` file or its z85 public key.
+
+        New connections with it are refused by the ZAP handler; the workers
+        that hold slots with it are set aside at once (their requests wait
+        ``config.rejoin_timeout_s`` for another worker, as after a silence), and
+        anything they still send is dropped. Returns the env slots vacated.
+
+        Example:
+            >>> pool.revoke_worker_key("keys/authorized/worker-3.key")  # doctest: +SKIP
+            [6, 7]
+        """
+        self._check_open()
+        return self._runtime.revoke(public_key_of(key))
 
     def _check_open(self) -> None:
         if self._resources.closed:
@@ -619,26 +537,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return f"{type(self).__name__}(num_envs={self.num_envs}, stack={self.stack!r}, {state})"
 
 
-def _indices_along_env_dim(value: Any) -> int | list[int]:
-    """The env indices in an ``env_index`` entry, one per env (its first dim).
-
-    A scalar (``NonTensorData`` or a 0-d tensor) is one env's own tensordict.
-    An entry expanded over a child's batch dims holds its env's index in
-    every element: the first one stands for the row.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0:
-            return int(value)
-        return value.reshape(value.shape[0], -1)[:, 0].tolist()
-    if isinstance(value, NonTensorData):
-        return _first(value.data) if value.batch_dims else value.data
-    data = value.tolist() if hasattr(value, "tolist") else value
-    if not isinstance(data, list):
-        return data
-    return [_first(item) for item in data]
-
-
-def _first(item: Any) -> Any:
-    while isinstance(item, list) and item:
-        item = item[0]
-    return item
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -80,6 +80,7 @@ from typing import Any
 import zmq
 
 from zmqpool.errors import ProtocolError
+from zmqpool.limits import MAX_MESSAGE_FRAMES
 
 #: The most env indices (and specs) one worker registers, and one WELCOME assigns.
 MAX_WORKER_ENVS = 1024
@@ -398,16 +399,19 @@ def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
         send(frame, zmq.SNDMORE if i < last else 0, copy=False)
 
 
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+def recv_frames(sock: zmq.Socket, max_frames: int = MAX_MESSAGE_FRAMES) -> list[zmq.Frame]:
     """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, reading ``more`` off each frame.
 
     ``recv_multipart`` asks the socket (``RCVMORE``) after every frame; the
     frame already knows. The rest of a message arrives with its first frame.
-    Raises ``zmq.Again`` when nothing is queued.
+    Frames past ``max_frames`` are read and let go at once, never kept (the
+    message then fails its header's frame count). Raises ``zmq.Again`` when
+    nothing is queued.
     """
     frame = sock.recv(zmq.NOBLOCK, copy=False)
     frames = [frame]
     while frame.more:
         frame = sock.recv(copy=False)
-        frames.append(frame)
+        if len(frames) < max_frames:
+            frames.append(frame)
     return frames

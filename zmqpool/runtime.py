@@ -1,11 +1,17 @@
 """The pool's machinery below torchrl's API: sockets, processes, registration, the event loop.
 
-:class:`Runtime` owns, for one pool, the :class:`~zmqpool.broker.Broker` (its
-sockets), the :class:`~zmqpool.state.Ledger` (what is in flight and what is
-ready), the :class:`~zmqpool.launcher.Launcher` (local worker processes), the
-:class:`~zmqpool.admission.Registrar` and, once every env registered, the
-:class:`~zmqpool.supervisor.Supervisor` (deaths, timeouts, restarts). It
-knows nothing of torchrl's tensordict conventions:
+:class:`Runtime` owns, for one pool:
+
+- the :class:`~zmqpool.roster.Roster` (who hosts which env, and every
+  worker's and env's phase);
+- the :class:`~zmqpool.state.Ledger` (what is in flight and what is ready);
+- the :class:`~zmqpool.broker.Broker` (the sockets; the runtime is its sink);
+- the :class:`~zmqpool.intake.Intake` (results) and the
+  :class:`~zmqpool.admission.Registrar` (control messages);
+- the :class:`~zmqpool.supervisor.Supervisor` (deaths, timeouts, silences,
+  restarts) and the :class:`~zmqpool.launcher.Launcher` (local processes).
+
+It knows nothing of torchrl's tensordict conventions:
 :class:`~zmqpool.pool.ZMQAsyncEnvPool` turns the caller's tensordicts into
 payloads, asks the runtime to send them and to collect replies, and turns the
 replies into torchrl's results.
@@ -14,8 +20,9 @@ replies into torchrl's results.
 without ``close()`` (a ``weakref.finalize`` holds it, not the pool).
 
 Control flows one way: the pool calls :meth:`Runtime.send` and
-:meth:`Runtime.collect`; ``collect`` pumps the broker, hands its events to
-the supervisor, and returns the ready replies.
+:meth:`Runtime.collect`; ``collect`` pumps the broker, which hands results to
+the intake, control messages to the registrar and pidfds back to the
+runtime; their events go to the supervisor; the ready replies are returned.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import zmq
+
 from zmqpool.admission import Registrar
-from zmqpool.broker import Broker, Event, ProcessExited, WorkerFailed
+from zmqpool.broker import Broker
+from zmqpool.codec import layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import (
     Endpoints,
@@ -35,14 +45,20 @@ from zmqpool.endpoints import (
     remove_private_dir,
     tcp_endpoints,
 )
-from zmqpool.errors import EnvMakerError, RegistrationError, VersionMismatchError
+from zmqpool.errors import EnvError, EnvMakerError, RegistrationError, VersionMismatchError
+from zmqpool.events import Event, ProcessExited, WorkerFailed
+from zmqpool.intake import Intake
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
+from zmqpool.layout import max_message_bytes
+from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
+from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
-from zmqpool.remote import RemoteSlots
+from zmqpool.ray_workers import LaunchContext
+from zmqpool.roster import Roster, WorkerRecord
 from zmqpool.security import ServerKeys
-from zmqpool.state import Channel, Kind, Ledger, Reply
+from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
-from zmqpool.wire import Command, Header
+from zmqpool.wire import Command, Header, encode_message
 
 
 class Resources:
@@ -55,9 +71,10 @@ class Resources:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.directory = make_private_dir()
-        self.processes: dict[bytes, WorkerProcess] = {}
+        self.roster: Roster | None = None
         self.broker: Broker | None = None
         self.launcher: Launcher | None = None
+        self.launchers: list[Any] = []  # remote launchers started (RayWorkers)
         self.closed = False
 
     def release(self, grace_s: float | None = None) -> None:
@@ -65,12 +82,15 @@ class Resources:
         if self.closed:
             return
         self.closed = True
-        if self.broker is not None:
+        processes = self.roster.processes() if self.roster is not None else []
+        if self.broker is not None and self.roster is not None:
             close = Header(Command.CLOSE).encode()
-            for identity in list(self.broker.workers):
-                self.broker.route(identity, [close])
+            for link in self.roster.linked():
+                self.broker.route(link.identity, [close], link.remote)
         grace_s = self.config.close_timeout_s if grace_s is None else grace_s
-        stop_all(list(self.processes.values()), grace_s)
+        stop_all(processes, grace_s)
+        for launcher in self.launchers:
+            launcher.stop()
         if self.launcher is not None:
             self.launcher.close()
         if self.broker is not None:
@@ -93,6 +113,8 @@ class PoolPlan:
     bind: str | None = None
     curve_keys: Any = None
     local_transport: str = "ipc"
+    remote_spec: Any = None  # the specs remote workers must bring (None: the local envs')
+    launchers: Sequence[Any] = ()  # remote workers the pool starts (RayWorkers), first slots
 
     @property
     def num_envs(self) -> int:
@@ -109,92 +131,144 @@ class Runtime:
 
     def __init__(self, plan: PoolPlan, resources: Resources) -> None:
         self.plan = plan
-        self.config = plan.config
+        self.config = config = plan.config
         self.resources = resources
+        remote = range(plan.num_local_envs, plan.num_envs)
+        self.roster = Roster(plan.num_envs, plan.worker_envs(), remote)
+        resources.roster = self.roster
         self.ledger = Ledger(plan.num_envs)
         self.broker = self._make_broker()
         resources.broker = self.broker
-        self.worker_envs = plan.worker_envs()
-        self.remote: RemoteSlots | None = None
-        if plan.num_envs > plan.num_local_envs:
-            indices = list(range(plan.num_local_envs, plan.num_envs))
-            self.remote = RemoteSlots(indices, self.config.rejoin_timeout_s)
+        # A pause longer than two heartbeats means the trainer was away, not the workers.
+        self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
+        self.events: list[Event] = []
+        self.intake = Intake(self.roster, self.ledger, self.liveness)
         self.registrar = Registrar(
-            self.ledger, self.worker_envs, self.remote, same_specs=plan.same_specs
+            self.roster,
+            self.ledger,
+            self.broker,
+            config,
+            self.liveness,
+            self.events,
+            same_specs=plan.same_specs,
+            remote_spec=plan.remote_spec,
         )
-        self.broker.admit = self.registrar.admit
-        self.launcher = Launcher(self.config.fork_server, self.config.register_timeout_s)
+        self.launcher = Launcher(config.fork_server, config.register_timeout_s)
         resources.launcher = self.launcher
-        self.supervisor: Supervisor | None = None
+        self.supervisor = Supervisor(
+            self.roster, self.ledger, config, self.liveness, self.spawn, self.dispatch
+        )
+        if plan.restart_on_env_error:
+            self.intake.on_env_error = self.supervisor.on_env_error
+        self._started = False
 
     # ------------------------------------------------------------ set-up
 
     def start(self) -> list[Any]:
-        """Spawn the local workers, wait for every env to register; each env's spec data."""
-        for worker_index in range(len(self.worker_envs)):
-            self.spawn(worker_index)
-        self._await_registration()
-        self.supervisor = Supervisor(
-            self.broker,
-            self.ledger,
-            self.config,
-            self.worker_envs,
-            self.registrar.local_identities,
-            self.spawn,
-            remote=self.remote,
-            restart_on_env_error=self.plan.restart_on_env_error,
-        )
-        return [self.registrar.specs[i] for i in range(self.plan.num_envs)]
+        """Spawn the local workers, wait for every env to register; each env's decoded specs.
+
+        The remote side binds only once the local envs are in: their specs are
+        the remote slots' reference (unless ``remote_spec`` was given), so no
+        remote worker's REGISTER can be read first and set it, and the results
+        port's frame limit is sized from them before anyone can connect.
+        """
+        deadline = time.monotonic() + self.config.register_timeout_s
+        for record in self.roster.local:
+            self.spawn(record)
+        self._await_registration(self.plan.num_local_envs, deadline)
+        if self.plan.bind:
+            self._bind_remote()
+        self._await_registration(self.plan.num_envs, deadline)
+        self._started = True
+        return [env.spec for env in self.roster.envs]
 
     def _make_broker(self) -> Broker:
         if self.plan.local_transport == "tcp":
             local = Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
         else:
             local = ipc_endpoints(self.resources.directory)
-        tcp = tcp_endpoints(self.plan.bind) if self.plan.bind else None
-        keys = ServerKeys.from_dir(self.plan.curve_keys) if self.plan.curve_keys else None
-        return Broker(self.ledger, self.config, local, tcp, keys)
+        return Broker(self.config, local)
+
+    def _server_keys(self) -> ServerKeys | None:
+        if self.plan.curve_keys:
+            return ServerKeys.from_dir(self.plan.curve_keys)
+        if self.plan.launchers:  # they get keys made here: the pool's pair can be made here too
+            return ServerKeys.ephemeral()
+        return None
+
+    def _bind_remote(self) -> None:
+        assert self.plan.bind is not None
+        keys = self._server_keys()
+        reference = self.registrar.remote_reference()
+        if reference is None:
+            cap = self.config.max_remote_frame_bytes
+        else:  # a header of the remote side's size, or the reference's leaves with headroom
+            layouts = [layout_of(reference.zero())]
+            cap = max_message_bytes(layouts, header_bytes=MAX_REMOTE_CONTROL_BYTES)
+        self.broker.bind_remote(tcp_endpoints(self.plan.bind), keys, cap)
+        self._start_launchers(keys)
+
+    def _start_launchers(self, keys: ServerKeys | None) -> None:
+        """Start the remote workers the pool launches, each key authorized for its slots."""
+        if not self.plan.launchers:
+            return
+        assert keys is not None and self.broker.tcp is not None
+        first = self.plan.num_local_envs
+        for launcher in self.plan.launchers:
+            slots = list(range(first, first + launcher.num_envs))
+            first += launcher.num_envs
+            self.resources.launchers.append(launcher)
+            launcher.start(
+                LaunchContext(self.broker.tcp.router, keys.public, slots, self._authorize)
+            )
+
+    def _authorize(self, key: bytes, slots: list[int]) -> None:
+        self.broker.authorize(key)
+        self.roster.reserve(key.decode("ascii"), slots)
 
     @property
     def remote_endpoint(self) -> str | None:
         """Where remote workers connect (``--connect``), once bound."""
         return self.broker.tcp.router if self.broker.tcp else None
 
-    def spawn(self, worker_index: int) -> None:
-        """Start (or restart) local worker ``worker_index``; the supervisor calls this too."""
-        indices = self.worker_envs[worker_index]
+    def spawn(self, record: WorkerRecord) -> None:
+        """Start (or restart) a local worker; the supervisor calls this too."""
+        assert record.local_index is not None
+        indices = record.envs
         payload = pickle_recipes(
             indices,
             [self.plan.env_makers[i] for i in indices],
             [self.plan.create_env_kwargs[i] for i in indices],
         )
-        identity = self.registrar.identity(worker_index)
         argv = worker_argv(
-            self.broker.router_ep,
-            identity.decode(),
+            self.broker.local.router_ep,
+            record.identity.decode(),
             indices,
             self.config.heartbeat_interval_s,
             self.config.env_threads,
         )
         masks = self.plan.worker_affinity
-        affinity = None if masks is None else masks[worker_index]
+        affinity = None if masks is None else masks[record.local_index]
         process = self.launcher.start(argv, payload, affinity)
-        self.resources.processes[identity] = process
-        self.broker.watch(identity, process)
+        self.roster.spawned(record, process)
+        self.broker.watch_fd(process.pidfd)
 
-    def _await_registration(self) -> None:
-        deadline = time.monotonic() + self.config.register_timeout_s
-        while len(self.registrar.specs) < self.plan.num_envs:
+    def _await_registration(self, count: int, deadline: float) -> None:
+        """Until the first ``count`` envs have registered (local envs come first)."""
+        while self.roster.registered() < count:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationError(self._missing_message())
-            self.broker.poll(min(remaining, 0.1))
-            for event in self.broker.take_events():
+            self.broker.poll(min(remaining, 0.1), self)
+            for event in self._take_events():
                 self._on_setup_event(event)
 
     def _missing_message(self) -> str:
-        missing = sorted(set(range(self.plan.num_envs)) - set(self.registrar.specs))
+        missing = [env.index for env in self.roster.envs if env.spec_data is None]
         text = f"envs {missing} did not register within {self.config.register_timeout_s} s"
+        for launcher in self.resources.launchers:
+            for failure in launcher.failures(wait_s=1.0):
+                text += f"; {launcher!r}: {failure}"
         remote = [e for e in missing if e >= self.plan.num_local_envs]
         if remote:
             text += (
@@ -204,46 +278,117 @@ class Runtime:
         return text
 
     def _envs_of(self, identity: bytes) -> list[int]:
-        """The env indices of one of our local workers."""
-        return list(self.worker_envs[self.registrar.local_identities[identity]])
+        record = self.roster.worker(identity)
+        return [] if record is None else list(record.envs)
 
     def _on_setup_event(self, event: Event) -> None:
         if isinstance(event, WorkerFailed):
             self._raise_setup_failure(event)
         if isinstance(event, ProcessExited):
             # A FAILED message may still be in flight: give it a moment to arrive.
-            self.broker.poll(0.5)
-            for other in self.broker.take_events():
+            self.broker.poll(0.5, self)
+            for other in self._take_events():
                 if isinstance(other, WorkerFailed):
                     self._raise_setup_failure(other)
-            envs = self._envs_of(event.identity)
             raise RegistrationError(
-                f"the worker of envs {envs} exited with status {event.status} "
-                "before registering (see its stderr above)"
+                f"the worker of envs {self._envs_of(event.identity)} exited with status "
+                f"{event.status} before registering (see its stderr above)"
             )
 
     def _raise_setup_failure(self, event: WorkerFailed) -> NoReturn:
         if event.kind == FailureKind.REGISTER:  # built, but its REGISTER could not go
             raise RegistrationError(f"env {event.env}: {event.err}")
         if event.kind == FailureKind.VERSION:
-            envs = self._envs_of(event.identity)
             raise VersionMismatchError(
-                f"the worker of envs {envs} runs another zmqpool than this trainer "
-                f"({event.err}); it imports zmqpool from its working directory or "
+                f"the worker of envs {self._envs_of(event.identity)} runs another zmqpool than "
+                f"this trainer ({event.err}); it imports zmqpool from its working directory or "
                 "sys.path: check both load the same install"
             )
         raise EnvMakerError(event.env, event.err, event.tb)
+
+    def _take_events(self) -> list[Event]:
+        events = list(self.events)
+        self.events.clear()  # the registrar holds this list: emptied, never replaced
+        return events
+
+    # ------------------------------------------------------------ the broker's sink
+
+    def on_result(self, frames: list[zmq.Frame], remote: bool) -> None:
+        self.intake.on_result(frames, remote)
+
+    def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
+        self.registrar.on_control(identity, frames, remote)
+
+    def on_fd(self, fd: int) -> None:
+        """A local worker's pidfd is readable: it died."""
+        record = self.roster.by_pidfd(fd)
+        if record is None or record.process is None:
+            return
+        process = record.process
+        self.broker.unwatch_fd(fd)
+        status = process.exit_status()
+        cause = process.exit_cause()  # e.g. killed with its fork server: no status to say so
+        process.release()
+        self.events.append(ProcessExited(record.identity, process.pid, status, cause))
 
     # ------------------------------------------------------------ requests
 
     def send(self, env: int, command: Command, payload: Any, per_env: bool, body=None) -> None:
         """Record one request and route it; its payload is kept as the request's input too."""
-        self.broker.send(env, command, payload, per_env, inputs=payload, body=body)
+        now = time.monotonic()
+        pending = self.ledger.open_request(env, command, per_env, payload, payload, body, now)
+        self.dispatch(env, pending)
+
+    def dispatch(self, env: int, pending: Pending) -> None:
+        """Send a recorded request; while its env has no worker, it waits in the ledger.
+
+        A restarted env was rebuilt but not reset; stepping it would step an env
+        that never began an episode, so its first step becomes a reset, answered
+        to the caller as a truncation (``pending.synth``).
+        """
+        link = self.roster.envs[env].link
+        if link is None:
+            return  # sent again when a worker registers for it
+        command, payload = pending.command, pending.payload
+        if command != Command.SEED and self.roster.begin(env, resets=command not in STEPS):
+            command, payload, pending.synth = Command.RESET, None, True
+        parts = [] if payload is None else [link.encoder.encode(payload)]
+        largest = max((memoryview(f).nbytes for p in parts for f in p.frames), default=0)
+        if largest > link.decoder.max_frame_bytes:
+            # Its worker's socket takes frames as large as its specs imply (with headroom),
+            # and would drop the connection for this one: answer with an error instead.
+            self._refuse_oversized(env, pending, largest, link.decoder.max_frame_bytes)
+            return
+        pending.sent_at = time.monotonic()
+        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
+        self.broker.route(link.identity, frames, link.remote)
+
+    def revoke(self, key: str) -> list[int]:
+        """Refuse CURVE key ``key`` from now on, and vacate the slots its workers hold.
+
+        Their requests wait ``rejoin_timeout_s`` for another worker; whatever the
+        revoked workers still send is dropped. Returns the vacated env slots.
+        """
+        self.registrar.revoked.add(key)
+        self.broker.revoke(key)
+        envs: list[int] = []
+        for record in self.roster.keyed(key):
+            self.supervisor.vacate(record, time.monotonic(), "its key was revoked")
+            envs += record.envs
+        return envs
+
+    def _refuse_oversized(self, env: int, pending: Pending, size: int, limit: int) -> None:
+        error = EnvError(
+            env,
+            f"the {pending.command.name} input for env {env} has a {size}-byte frame; its "
+            f"worker takes frames of at most {limit} bytes (twice what its specs declare)",
+        )
+        self.ledger.answer_now(env, pending, error)
 
     def refuse_lost(self, envs: Sequence[int]) -> None:
         """Raise the error of the first env in ``envs`` that is lost (a crash loop, a silence)."""
         for env in envs:
-            lost = self.ledger.slots[env].lost
+            lost = self.roster.envs[env].lost
             if lost is not None:
                 raise lost
 
@@ -315,12 +460,15 @@ class Runtime:
 
         Returns whether every socket was read to the end.
         """
-        assert self.supervisor is not None, "the runtime is not started"
+        assert self._started, "the runtime is not started"
+        self.liveness.listening(time.monotonic())
         wake = self.supervisor.next_wakeup() - time.monotonic()
-        drained = self.broker.poll(max(0.0, min(timeout_s, wake)))
-        for event in self.broker.take_events():
+        drained = self.broker.poll(max(0.0, min(timeout_s, wake)), self)
+        for event in self._take_events():
             self.supervisor.on_event(event)
-        self.supervisor.tick(time.monotonic(), judge=drained)
+        # Judged every time, drained or not: the ROUTER queues fairly per peer, so a
+        # flood from one connection never keeps another's heartbeat unread for long.
+        self.supervisor.tick(time.monotonic())
         return drained
 
     def set_seed(self, seed: int | None, raise_error: Callable[[Reply], NoReturn]) -> None:
@@ -336,5 +484,8 @@ class Runtime:
 
     def worker_processes(self) -> dict[int, WorkerProcess]:
         """Each local worker's process, by worker index (one being restarted is absent)."""
-        assert self.supervisor is not None, "the runtime is not started"
-        return self.supervisor.worker_processes()
+        return {
+            record.local_index: record.process
+            for record in self.roster.local
+            if record.process is not None and record.local_index is not None
+        }

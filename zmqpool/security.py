@@ -9,6 +9,10 @@ Key directory made by ``zmqpool keygen DIR``::
 A worker needs ``server.key`` (to know the pool) and its own ``.key_secret``.
 Revoking a worker is deleting its file from ``authorized/`` (read when the
 pool starts). Local ipc endpoints use no CURVE: they live in a 0700 directory.
+
+Secrets stay secret: a secret key file that its group or others may read is
+refused when loaded (:class:`InsecureKeyFileError`, saying ``chmod 600``), and
+the reprs of :class:`ServerKeys` and :class:`ClientKeys` leave the secret out.
 """
 
 from __future__ import annotations
@@ -22,14 +26,53 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from zmqpool.errors import ZMQPoolError
+
+
+class InsecureKeyFileError(ZMQPoolError, PermissionError):
+    """A secret key file that users other than its owner may read (or write).
+
+    Attributes:
+        path: the file.
+        mode: its permission bits.
+    """
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self.path = path
+        self.mode = mode
+        super().__init__(
+            f"secret key file {path} is open to other users (mode {mode:04o}); "
+            f"a secret key must be readable by its owner only: chmod 600 {path}"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[Path, int]]:
+        return type(self), (self.path, self.mode)
+
+
+def check_secret_file(path: str | os.PathLike) -> None:
+    """Raise :class:`InsecureKeyFileError` if ``path``'s group or others have any access to it."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise InsecureKeyFileError(Path(path), mode)
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerKeys:
     """The pool's CURVE pair and the directory of worker public keys it accepts."""
 
     public: bytes
-    secret: bytes
-    authorized_dir: str
+    secret: bytes = dataclasses.field(repr=False)  # never in a repr, a log or a traceback
+    authorized_dir: str | None  # None: only keys authorized in memory (launched workers)
+
+    @classmethod
+    def ephemeral(cls) -> ServerKeys:
+        """A pair made in memory for this pool, with no allow-list directory.
+
+        For workers the pool launches itself, whose keys it makes and
+        authorizes one by one (:meth:`zmqpool.broker.Broker.authorize`).
+        """
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret, None)
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike) -> ServerKeys:
@@ -41,6 +84,7 @@ class ServerKeys:
                 f"{root} is not a key directory (no server.key_secret or authorized/); "
                 f"make one with: zmqpool keygen {root}"
             )
+        check_secret_file(secret_file)
         public, secret = zmq.auth.load_certificate(str(secret_file))
         assert secret is not None
         return cls(public, secret, str(authorized))
@@ -51,12 +95,13 @@ class ClientKeys:
     """A worker's CURVE pair and the pool's public key."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = dataclasses.field(repr=False)  # never in a repr, a log or a traceback
     server_public: bytes
 
     @classmethod
     def from_files(cls, server_key: str, client_secret_key: str) -> ClientKeys:
         server_public, _ = zmq.auth.load_certificate(server_key)
+        check_secret_file(client_secret_key)
         public, secret = zmq.auth.load_certificate(client_secret_key)
         if secret is None:
             raise ValueError(f"{client_secret_key} holds no secret key (use the .key_secret file)")
@@ -80,7 +125,8 @@ def start_authenticator(context: zmq.Context, keys: ServerKeys) -> ThreadAuthent
     """ZAP handler: a CURVE client connects only if its public key is in ``authorized/``."""
     auth = ThreadAuthenticator(context, log=None)
     auth.start()
-    auth.configure_curve(domain="*", location=keys.authorized_dir)
+    if keys.authorized_dir is not None:
+        auth.configure_curve(domain="*", location=keys.authorized_dir)
     return auth
 
 

@@ -128,8 +128,12 @@ def spec_to_data(spec: TensorSpec) -> dict[str, Any]:
     return _encode(spec, _At())
 
 
-def spec_from_data(data: Any) -> TensorSpec:
+def spec_from_data(data: Any, max_bytes: int = MAX_SPEC_BYTES) -> TensorSpec:
     """Inverse of spec_to_data.
+
+    ``max_bytes``: what the decoded spec may cost the trainer, counted as
+    torchrl materialises it (a bounded leaf's low and high at full shape, and
+    the zero the pool builds to size its frames), before anything is built.
 
     Raises:
         ProtocolError: ``data`` is malformed (wrong types, unknown class or dtype,
@@ -137,7 +141,7 @@ def spec_from_data(data: Any) -> TensorSpec:
             shape, shapes or nesting over the caps, values torchrl refuses); the
             message names the spec's path and the field.
     """
-    return _decode(data, _At())
+    return _decode(data, _At(budget=[MAX_NUMEL, max_bytes], max_bytes=max_bytes))
 
 
 # ---------------------------------------------------------------- dispatch
@@ -150,23 +154,31 @@ class _At:
     path: tuple[str, ...] = ()
     #: Elements and bytes the tree's tensor leaves may still hold, shared by the whole tree.
     budget: list[int] = dataclasses.field(default_factory=lambda: [MAX_NUMEL, MAX_SPEC_BYTES])
+    #: the byte budget it started with, for messages
+    max_bytes: int = dataclasses.field(default_factory=lambda: MAX_SPEC_BYTES)
 
     def child(self, key: str) -> _At:
         if len(self.path) >= MAX_DEPTH:
             raise self.error(f"specs nest deeper than {MAX_DEPTH} levels")
-        return _At((*self.path, _clip(key, 40)), self.budget)
+        return _At((*self.path, _clip(key, 40)), self.budget, self.max_bytes)
 
-    def charge(self, shape: Sequence[int], dtype: torch.dtype) -> None:
-        """Counts a (checked) tensor leaf's shape against the tree's element and byte budgets."""
+    def charge(self, shape: Sequence[int], dtype: torch.dtype, boxed: bool = False) -> None:
+        """Counts a (checked) tensor leaf against the tree's element and byte budgets.
+
+        What the trainer builds of it: the zero it sizes frames with, and for a
+        ``boxed`` leaf (``Bounded``, ``Unbounded``) the box's low and high too,
+        each at the leaf's full shape.
+        """
         numel = static_numel(shape)
         self.budget[0] -= numel
-        self.budget[1] -= numel * dtype.itemsize
+        self.budget[1] -= numel * dtype.itemsize * (3 if boxed else 1)
         if self.budget[0] < 0:
             raise self.error(f"the spec's tensor leaves hold more than {MAX_NUMEL} elements")
         if self.budget[1] < 0:
             raise self.error(
-                f"the spec's tensor leaves hold more than {MAX_SPEC_BYTES} bytes "
-                "(zmqpool.specs.MAX_SPEC_BYTES)"
+                f"the spec's tensor leaves would cost more than {self.max_bytes} bytes "
+                "once built (low, high and a zero of each leaf; zmqpool.limits.MAX_SPEC_BYTES, "
+                "PoolConfig.max_remote_spec_bytes for remote workers)"
             )
 
     def error(self, message: str) -> ProtocolError:
@@ -218,7 +230,7 @@ def _call(at: _At, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _leaf_to_data(spec: TensorSpec, at: _At) -> dict[str, Any]:
     shape = _shape_to_data(at, spec.shape)
-    at.charge(shape, spec.dtype)
+    at.charge(shape, spec.dtype, boxed=isinstance(spec, (Bounded, Unbounded)))
     return {
         "shape": shape,
         "device": _device_to_data(at, spec.device),
@@ -227,16 +239,16 @@ def _leaf_to_data(spec: TensorSpec, at: _At) -> dict[str, Any]:
 
 
 def _leaf_from_data(
-    data: Mapping[str, Any], at: _At
+    data: Mapping[str, Any], at: _At, boxed: bool = False
 ) -> tuple[torch.Size, torch.device | None, torch.dtype]:
     shape = _shape_from_data(at, "shape", data["shape"], dynamic=True)
     dtype = _dtype_from_data(at, "dtype", data["dtype"])
-    at.charge(shape, dtype)
+    at.charge(shape, dtype, boxed)
     return shape, _device_from_data(at, data["device"]), dtype
 
 
 def _unbounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
-    shape, device, dtype = _leaf_from_data(data, at)
+    shape, device, dtype = _leaf_from_data(data, at, boxed=True)
     return _call(at, Unbounded, shape=shape, device=device, dtype=dtype, domain=domain)
 
 
@@ -250,7 +262,7 @@ def _bounded_to_data(spec: Bounded, at: _At) -> dict[str, Any]:
 
 
 def _bounded_from_data(domain: str, data: Mapping[str, Any], at: _At) -> TensorSpec:
-    shape, device, dtype = _leaf_from_data(data, at)
+    shape, device, dtype = _leaf_from_data(data, at, boxed=True)
     low = _tensor_field(at, data, "low", dtype, shape, broadcast=True)
     high = _tensor_field(at, data, "high", dtype, shape, broadcast=True)
     return _call(at, Bounded, low, high, shape=shape, device=device, dtype=dtype, domain=domain)

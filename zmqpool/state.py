@@ -1,14 +1,16 @@
-"""The pool's bookkeeping, apart from sockets: who hosts which env, what is in flight, what is done.
+"""The pool's requests, apart from sockets: what is in flight, what is done, what a recv awaits.
 
-- :class:`EnvSlot`: one env index: its worker, its sequence counter and its
-  requests in flight, oldest first (a worker answers one env's commands in
-  order).
+Who hosts an env, and in which phase of its life it is, is the
+:class:`~zmqpool.roster.Roster`'s; this module only counts requests.
+
+- :class:`EnvRequests`: one env's sequence counter and requests in flight,
+  oldest first (a worker answers one env's commands in order).
 - :class:`Reply`: a request answered (or failed), waiting in a channel until
   a recv takes it. A channel is ``(kind, None)`` for batch requests and
   ``(kind, env)`` for an env's own channel, as in torchrl's pool.
-- :class:`Ledger`: all of it, with the rules: a reply is accepted only from
-  the worker registered for that env, with the token it was given, for the
-  oldest request in flight; anything else is counted and dropped.
+- :class:`Ledger`: all of it, with the rule that a reply (whose sender the
+  intake checked against the roster) is accepted only for the oldest request
+  in flight; anything else is counted and dropped.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ KIND_OF: dict[Command, Kind] = {
 Channel = tuple[Kind, int | None]
 
 #: Commands that step an env (a fresh env's first one becomes its reset).
-_STEPS = (Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET)
+STEPS = frozenset((Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET))
 
 
 @dataclasses.dataclass
@@ -79,28 +81,13 @@ class Reply:
 
 
 @dataclasses.dataclass
-class WorkerRecord:
-    """A registered worker connection."""
+class EnvRequests:
+    """One env's requests: its sequence counter, what is in flight (oldest first), its figures."""
 
-    identity: bytes
-    token: bytes
-    envs: tuple[int, ...]
-    pid: int
-    decoder: Any
-    encoder: Any
-
-
-@dataclasses.dataclass
-class EnvSlot:
     index: int
-    worker: WorkerRecord | None = None
     next_seq: int = 1
     in_flight: deque[Pending] = dataclasses.field(default_factory=deque)
     steps: int = 0
-    restarts: int = 0
-    last_restart_cause: str | None = None
-    fresh: bool = False  # rebuilt by a restart and not yet reset
-    lost: Exception | None = None  # a crash loop: every request raises this
     latencies_s: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=1024))
 
 
@@ -108,9 +95,10 @@ class Ledger:
     """Slots, requests in flight and ready replies; see the module docstring."""
 
     def __init__(self, num_envs: int) -> None:
-        self.slots = [EnvSlot(i) for i in range(num_envs)]
+        self.slots = [EnvRequests(i) for i in range(num_envs)]
         self.ready: dict[Channel, list[Reply]] = {}
         self.dropped: dict[str, int] = {}
+        self.refused = 0
         # Requests opened on each channel and not yet taken by a recv (in flight or
         # ready): the one count behind torchrl's ``_current_step`` and friends.
         self._awaiting: dict[Channel, int] = {}
@@ -140,48 +128,27 @@ class Ledger:
         slot.next_seq += 1
 
     def drop(self, reason: str) -> None:
+        """Count a message dropped for ``reason`` (a fixed phrase: the counts stay bounded)."""
         count = self.dropped.get(reason, 0) + 1
         self.dropped[reason] = count
-        # A flood must not flood the log: a warning at the 1st, 2nd, 4th, 8th... of a reason.
-        level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
-        log.log(level, "dropped a message: %s (%d so far)", reason, count)
+        _throttled(count, "dropped a message: %s (%d so far)", reason, count)
 
-    # ---------------------------------------------------------------- env slots
-    # The only code that changes who hosts an env and in which state it is.
-
-    def attach(self, envs: Sequence[int], worker: WorkerRecord) -> None:
-        """``worker`` registered for ``envs``: their requests go to it from now on."""
-        for env in envs:
-            self.slots[env].worker = worker
-
-    def detach(self, envs: Sequence[int], cause: str) -> None:
-        """The worker of ``envs`` is gone (``cause``); their requests wait for a new one."""
-        for env in envs:
-            self.note_restart(env, cause)
-            self.slots[env].worker = None
-
-    def note_restart(self, env: int, cause: str) -> None:
-        slot = self.slots[env]
-        slot.restarts += 1
-        slot.last_restart_cause = cause
-
-    def revive(self, envs: Sequence[int]) -> None:
-        """``envs`` were claimed by a (remote) worker: no longer lost."""
-        for env in envs:
-            self.slots[env].lost = None
-
-    def mark_fresh(self, envs: Sequence[int]) -> None:
-        """``envs`` run in a new process: each awaits a reset before its next step."""
-        for env in envs:
-            self.slots[env].fresh = True
+    def refuse(self, who: bytes, reason: str) -> None:
+        """Count a REGISTER refused (answered with REFUSE), and say why, without flooding."""
+        self.refused += 1
+        _throttled(self.refused, "refused worker %r: %s (%d so far)", who, reason, self.refused)
 
     def fail(self, envs: Sequence[int], error: Exception) -> None:
-        """Answer every request in flight on ``envs`` with ``error``, and refuse new ones."""
+        """Answer every request in flight on ``envs`` with ``error``."""
         for env in envs:
             slot = self.slots[env]
-            slot.lost = error
             while slot.in_flight:
                 self.deliver(Reply(env, slot.in_flight.popleft(), error=error))
+
+    def answer_now(self, env: int, pending: Pending, error: Exception) -> None:
+        """Answer a request in flight with ``error`` without sending it (it cannot be sent)."""
+        self.slots[env].in_flight.remove(pending)
+        self.deliver(Reply(env, pending, error=error))
 
     def requeue(self, env: int, pending: Pending) -> None:
         """Put a request answered with an error back in front: it is sent again after a restart."""
@@ -191,32 +158,11 @@ class Ledger:
         for slot in self.slots:
             slot.latencies_s.clear()
 
-    def command_to_send(self, env: int, pending: Pending) -> tuple[Command, Any]:
-        """What goes on the wire for ``pending``: a step to a fresh env is sent as its reset.
-
-        A restarted env was rebuilt but not reset; stepping it would step an env
-        that never began an episode, so its first step becomes a reset, answered
-        to the caller as a truncation (``pending.synth``).
-        """
-        slot = self.slots[env]
-        command, payload = pending.command, pending.payload
-        if slot.fresh and command in _STEPS:
-            command, payload, pending.synth = Command.RESET, None, True
-        if command != Command.SEED:
-            slot.fresh = False
-        return command, payload
-
     # ---------------------------------------------------------------- replies
 
-    def match(self, env: int, seq: int, token: bytes, now: float) -> Pending | None:
-        """The request a reply answers, if the reply is legitimate; counts what it drops."""
-        if not 0 <= env < len(self.slots):
-            self.drop("env index out of range")
-            return None
+    def match(self, env: int, seq: int, now: float) -> Pending | None:
+        """The request a reply answers (its sender was checked by the caller), or None."""
         slot = self.slots[env]
-        if slot.worker is None or token != slot.worker.token:
-            self.drop("wrong token for env")
-            return None
         if not slot.in_flight or slot.in_flight[0].seq != seq:
             self.drop("stale or unexpected sequence number")
             return None
@@ -227,12 +173,7 @@ class Ledger:
         return pending
 
     def deliver(self, reply: Reply) -> None:
-        stepped = reply.pending.command in (
-            Command.STEP,
-            Command.STEP_AND_MAYBE_RESET,
-            Command.STEP_RAW,
-        )
-        if stepped and reply.error is None:
+        if reply.pending.command in STEPS and reply.error is None:
             self.slots[reply.env].steps += 1
         reply.ready_at = time.monotonic()
         self.ready.setdefault(reply.pending.channel, []).append(reply)
@@ -262,3 +203,10 @@ class Ledger:
     def awaiting(self, channel: Channel) -> int:
         """Requests opened on ``channel`` that no recv has taken yet (in flight or ready)."""
         return self._awaiting.get(channel, 0)
+
+
+def _throttled(count: int, message: str, *args: Any) -> None:
+    """A warning at the 1st, 2nd, 4th, 8th... occurrence, debug otherwise: a flood does not
+    flood the log."""
+    level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
+    log.log(level, message, *args)

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zmqpool.state import EnvSlot
+from zmqpool.roster import EnvRecord
+from zmqpool.state import EnvRequests
 
 
 def _percentile_ms(values: list[float], q: float) -> float | None:
@@ -22,16 +23,16 @@ def _percentile_ms(values: list[float], q: float) -> float | None:
     return 1000.0 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def env_stats(slot: EnvSlot) -> dict[str, Any]:
+def env_stats(slot: EnvRequests, record: EnvRecord) -> dict[str, Any]:
     latencies = list(slot.latencies_s)
     return {
         "steps": slot.steps,
-        "restarts": slot.restarts,
-        "last_restart_cause": slot.last_restart_cause,
+        "restarts": record.restarts,
+        "last_restart_cause": record.last_restart_cause,
         "latency_ms_p50": _percentile_ms(latencies, 0.5),
         "latency_ms_p99": _percentile_ms(latencies, 0.99),
         "in_flight": len(slot.in_flight),
-        "lost": slot.lost is not None,
+        "lost": record.lost is not None,
     }
 
 

@@ -29,88 +29,75 @@ import logging
 import time
 from collections.abc import Callable
 
-from zmqpool.broker import Broker, Event, ProcessExited, WorkerFailed, WorkerRegistered
 from zmqpool.config import PoolConfig
 from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
-from zmqpool.launcher import ForkServerStarting, WorkerProcess, describe_status
-from zmqpool.policy import RestartPolicy
-from zmqpool.remote import RemoteSlots
+from zmqpool.events import Event, ProcessExited, WorkerFailed, WorkerRegistered
+from zmqpool.launcher import ForkServerStarting, describe_status
+from zmqpool.policy import Liveness, RestartPolicy
+from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.state import Ledger, Pending
 
 log = logging.getLogger("zmqpool")
+
+#: Sends a recorded request (again) to the worker that hosts its env now.
+Dispatch = Callable[[int, Pending], None]
 
 
 class Supervisor:
     """Keeps every local worker alive; see the module docstring.
 
     Args:
-        broker, ledger, config: the pool's.
-        worker_envs: env indices of each local worker, by worker index.
-        local_identities: routing identity -> local worker index.
-        spawn: starts (again) the process of a worker index.
-        remote: the remote slots, if the pool has any.
-        restart_on_env_error: treat an env exception as a crash.
+        roster, ledger, config, liveness: the pool's.
+        spawn: starts (again) the process of a local worker.
+        dispatch: sends a recorded request to its env's worker.
     """
 
     def __init__(
         self,
-        broker: Broker,
+        roster: Roster,
         ledger: Ledger,
         config: PoolConfig,
-        worker_envs: list[tuple[int, ...]],
-        local_identities: dict[bytes, int],
-        spawn: Callable[[int], None],
-        remote: RemoteSlots | None = None,
-        restart_on_env_error: bool = False,
+        liveness: Liveness,
+        spawn: Callable[[WorkerRecord], None],
+        dispatch: Dispatch,
     ) -> None:
-        self.broker = broker
+        self.roster = roster
         self.ledger = ledger
         self.config = config
-        self.worker_envs = worker_envs
-        self.local_identities = local_identities
-        self.identities = {index: identity for identity, index in local_identities.items()}
+        self.liveness = liveness
         self.spawn = spawn
-        self.remote = remote
+        self.dispatch = dispatch
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
             config.restart_backoff_s,
             config.restart_backoff_max_s,
         )
-        self._scheduled: dict[int, float] = {}  # worker index -> when to respawn
-        self._kill_cause: dict[int, tuple[str, str]] = {}  # why we killed it, its traceback
-        self._maker_traceback: dict[int, str] = {}
-        if restart_on_env_error:
-            broker.on_env_error = self._on_env_error
 
     # ------------------------------------------------------------ events
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, WorkerRegistered):
             if event.rejoin:
-                self._on_rejoin(event.envs)
+                self._resend(event.envs)
             return
-        worker = self.local_identities.get(event.identity)
-        if worker is None:
+        record = self.roster.worker(event.identity)
+        if record is None:
             return
         if isinstance(event, ProcessExited):
-            self._on_exit(worker, event.status, event.cause)
+            self._on_exit(record, event.cause or describe_status(event.status))
         elif isinstance(event, WorkerFailed):
-            self._maker_traceback[worker] = event.tb
-            log.warning("worker %d failed to come back in a restart: %s", worker, event.err)
+            log.warning("a worker failed to come back in a restart: %s", event.err)
 
-    def _on_exit(self, worker: int, status: int | None, why: str | None = None) -> None:
-        cause, traceback = self._kill_cause.pop(worker, (why or describe_status(status), ""))
-        traceback = traceback or self._maker_traceback.pop(worker, "")
-        envs = self.worker_envs[worker]
-        self.broker.forget_worker(self.identities[worker])
-        self.ledger.detach(envs, cause)
-        decision = self.policy.on_death(worker, time.monotonic())
+    def _on_exit(self, record: WorkerRecord, why: str) -> None:
+        cause, traceback = self.roster.exited(record, why)
+        self.liveness.forget(record.identity)
+        decision = self.policy.on_death(record.identity, time.monotonic())
         if decision.crash_loop:
-            self._give_up(envs, cause, traceback, decision.deaths_in_window)
+            self._give_up(record.envs, cause, traceback, decision.deaths_in_window)
             return
-        log.warning("restarting the worker of envs %s: %s", list(envs), cause)
-        self._scheduled[worker] = decision.restart_at
+        log.warning("restarting the worker of envs %s: %s", list(record.envs), cause)
+        self.roster.respawn_due(record, decision.restart_at)
 
     def _give_up(self, envs: tuple[int, ...], cause: str, traceback: str, deaths: int) -> None:
         message = (
@@ -124,79 +111,70 @@ class Supervisor:
 
     def _fail(self, envs: tuple[int, ...] | list[int], error: EnvLostError) -> None:
         """Answer every request in flight on ``envs`` with ``error``, and refuse new ones."""
+        self.roster.lose(envs, error)
         self.ledger.fail(envs, error)
 
-    def _on_rejoin(self, envs: list[int]) -> None:
-        """A restarted or rejoining worker is in: its envs are fresh; resend what is in flight."""
-        self.ledger.mark_fresh(envs)
+    def _resend(self, envs: list[int]) -> None:
+        """A restarted or rejoining worker is in: resend what is in flight on its (fresh) envs."""
         for env in envs:
-            slot = self.ledger.slots[env]
-            for pending in list(slot.in_flight):
+            for pending in list(self.ledger.slots[env].in_flight):
                 self.ledger.restamp(env, pending)
-                self.broker.dispatch(env, pending)
+                self.dispatch(env, pending)
 
-    def _on_env_error(self, env: int, pending: Pending, error: EnvError) -> bool:
+    def on_env_error(self, env: int, pending: Pending, error: EnvError) -> bool:
         """``on_env_error="restart"``: requeue the request and kill the worker."""
-        worker = self._worker_of(env)
-        if worker is None:
+        record = self.roster.envs[env].holder
+        if record is None or record.remote:
             return False  # a remote env: its own host restarts it; the caller gets the error
         self.ledger.requeue(env, pending)
         log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
         cause = f"env {env} raised: {str(error).splitlines()[0]}"
-        self._kill(worker, cause, error.remote_traceback)
+        self._kill(record, cause, error.remote_traceback)
         return True
-
-    def _worker_of(self, env: int) -> int | None:
-        return next((w for w, envs in enumerate(self.worker_envs) if env in envs), None)
 
     # ------------------------------------------------------------ timers
 
     def next_wakeup(self) -> float:
-        return min(self._scheduled.values(), default=float("inf"))
+        return self.roster.next_respawn()
 
-    def tick(self, now: float, judge: bool = True) -> None:
-        """Respawn what is due; with ``judge`` (all input read), act on lateness and silence."""
-        for worker, when in list(self._scheduled.items()):
-            if when <= now:
-                del self._scheduled[worker]
-                try:
-                    self.spawn(worker)
-                except ForkServerStarting as wait:  # a new zygote imports torch: not us
-                    self._scheduled[worker] = now + wait.retry_after_s
-        if not judge:
-            return
+    def tick(self, now: float) -> None:
+        """Respawn what is due; act on lateness, silence and expired vacancies."""
+        for record in self.roster.due(now):
+            try:
+                self.spawn(record)
+            except ForkServerStarting as wait:  # a new zygote imports torch: not us
+                self.roster.respawn_due(record, now + wait.retry_after_s)
         self._check_deadlines(now)
         silence = f"silent for more than {self.config.heartbeat_timeout_s} s (no heartbeat)"
-        for identity in self.broker.liveness.silent(now):
+        for identity in self.liveness.silent(now):
             assert isinstance(identity, bytes)
-            index = self.local_identities.get(identity)
-            if index is None:
-                self._vacate(identity, now, silence)
-            elif index not in self._kill_cause:
-                self._kill(index, silence, "")
+            quiet = self.roster.worker(identity)
+            if quiet is None or quiet.phase is not WorkerPhase.LIVE:
+                self.liveness.forget(identity)
+            elif quiet.remote:
+                self.vacate(quiet, now, silence)
+            else:
+                self._kill(quiet, silence, "")
         self._expire_vacancies(now)
 
-    def _vacate(self, identity: bytes, now: float, cause: str) -> None:
+    def vacate(self, record: WorkerRecord, now: float, cause: str) -> None:
         """A remote worker went silent: keep its requests, wait for it to rejoin."""
-        self.broker.forget_worker(identity)
-        envs = self.remote.vacate(identity, now) if self.remote else []
-        self.ledger.detach(envs, cause)
-        wait = self.config.rejoin_timeout_s
+        self.liveness.forget(record.identity)
+        self.roster.vacate(record, now, cause)
         log.warning(
             "remote worker %r of envs %s: %s; waiting %s s for a rejoin",
-            identity,
-            envs,
+            record.identity,
+            list(record.envs),
             cause,
-            wait,
+            self.config.rejoin_timeout_s,
         )
 
     def _expire_vacancies(self, now: float) -> None:
-        if self.remote is None:
-            return
-        late = self.remote.expired(now)
+        late = self.roster.expired(now, self.config.rejoin_timeout_s)
         if late:
-            why = "their remote worker went silent and none rejoined within "
-            why += f"{self.config.rejoin_timeout_s} s"
+            causes = sorted({self.roster.envs[e].last_restart_cause or "gone" for e in late})
+            why = f"their remote worker was set aside ({'; '.join(causes)}) and none rejoined "
+            why += f"within {self.config.rejoin_timeout_s} s"
             log.error("envs %s are lost: %s", late, why)
             self._fail(late, EnvLostError(late, why))
 
@@ -205,23 +183,22 @@ class Supervisor:
         if timeout is None:
             return
         for slot in self.ledger.slots:
-            if slot.worker is None or not slot.in_flight:
+            if not slot.in_flight or self.roster.envs[slot.index].link is None:
                 continue
             pending = slot.in_flight[0]
             if now - pending.sent_at > timeout:
-                worker = self._worker_of(slot.index)
-                if worker is not None and worker not in self._kill_cause:
-                    cause = f"hung: no reply to {pending.command.name} within {timeout} s"
-                    self._kill(worker, cause, "")
+                host = self.roster.envs[slot.index].holder
+                if host is None or host.phase is not WorkerPhase.LIVE:
+                    continue
+                cause = f"hung: no reply to {pending.command.name} within {timeout} s"
+                if host.remote:  # not ours to kill: its token is void, its slots wait
+                    self.vacate(host, now, cause)
+                else:
+                    self._kill(host, cause, "")
 
-    def worker_processes(self) -> dict[int, WorkerProcess]:
-        """The process of each local worker, by worker index (one being restarted is absent)."""
-        return {
-            self.local_identities[identity]: process
-            for identity, process in self.broker.processes.values()
-            if identity in self.local_identities
-        }
-
-    def _kill(self, worker: int, cause: str, traceback: str) -> None:
-        self._kill_cause[worker] = (cause, traceback)
-        self.broker.kill(self.identities[worker])
+    def _kill(self, record: WorkerRecord, cause: str, traceback: str) -> None:
+        """SIGKILL a local worker; its pidfd then reports the death as usual."""
+        if record.process is None:
+            return
+        self.roster.killing(record, cause, traceback)
+        record.process.kill()

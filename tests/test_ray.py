@@ -1,0 +1,116 @@
+"""Remote workers launched as Ray actors (zmqpool.ray_workers), on a local Ray cluster.
+
+A mixed pool (one local env, two envs on Ray actors) runs the exactly-once
+driver; one actor's process is SIGKILLed mid-run: Ray restarts it, it
+rejoins its slot under the same identity and key, and its request in flight
+is answered by one restart truncation. Nothing else is lost or duplicated,
+and ``pool.close()`` ends the actors.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import ray
+
+from tests.exactly_once import ExactlyOnce
+from zmqpool import PoolConfig, RegistrationError, ZMQAsyncEnvPool
+from zmqpool.ray_workers import RayWorkers
+from zmqpool.testing import CountingEnv
+
+CONFIG = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    started = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    print(f"\nRay start-up: {time.monotonic() - started:.1f} s")
+    yield
+    ray.shutdown()
+
+
+def restarts(pool) -> list[int]:
+    return [s["restarts"] for _, s in sorted(pool.env_stats().items())]
+
+
+def wait_for_new_pid(workers: RayWorkers, index: int, old: int, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = workers.actor_pids(timeout_s=5.0)[index]
+        except Exception:  # the actor is being restarted: its methods fail for a moment
+            pid = old
+        if pid != old:
+            return pid
+        time.sleep(0.2)
+    raise AssertionError(f"Ray did not restart actor {index} within {timeout_s} s")
+
+
+def test_a_ray_actor_killed_mid_run_rejoins_and_every_request_is_answered_once(ray_cluster):
+    workers = RayWorkers(
+        "zmqpool.testing:CountingEnv",
+        count=2,
+        env_kwargs=[{"env_id": 1}, {"env_id": 2}],
+        num_cpus=0.5,
+        max_restarts=-1,
+    )
+    started = time.monotonic()
+    pool = ZMQAsyncEnvPool(
+        [CountingEnv],
+        create_env_kwargs=[{"env_id": 0}],
+        remote_workers=workers,
+        bind="tcp://127.0.0.1:*",
+        config=CONFIG,
+    )
+    print(f"pool with 2 Ray-hosted envs built in {time.monotonic() - started:.1f} s")
+    try:
+        assert pool.num_envs == 3 and pool.remote_endpoint is not None
+        driver = ExactlyOnce(pool, 3, 60, random.Random(3), restarts=True)
+        driver.run()  # every env steps, Ray-hosted ones included
+        assert driver.truncations == [0, 0, 0]
+
+        victim = workers.actor_pids()[0]  # hosts env 1
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        driver.steps += 60
+        while driver.truncations[1] == 0:
+            assert time.monotonic() - killed < 90, "no truncation for the killed actor's env"
+            driver.send([e for e in range(3) if e not in driver.awaited])
+            driver.receive()
+        print(f"kill to truncation: {time.monotonic() - killed:.1f} s")
+        while driver.received < driver.steps:
+            driver.send_random()
+            if driver.awaited:
+                driver.receive()
+        assert driver.truncations == [0, 1, 0], driver.truncations
+        assert restarts(pool) == [0, 1, 0]
+        assert wait_for_new_pid(workers, 0, victim, 30.0) != victim
+    finally:
+        pool.close()
+    assert workers.actors == []  # close() ended them (no restart)
+
+
+def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_cluster):
+    workers = RayWorkers(
+        "zmqpool.testing:CountingEnv",
+        count=1,
+        num_cpus=0.5,
+        connect_host="127.0.0.2",  # nothing listens there
+        register_timeout_s=2.0,
+        max_restarts=0,
+    )
+    with pytest.raises(RegistrationError) as caught:
+        ZMQAsyncEnvPool(
+            [],
+            remote_workers=workers,
+            bind="tcp://127.0.0.1:*",
+            config=PoolConfig(register_timeout_s=15.0, close_timeout_s=1.0),
+        )
+    message = str(caught.value)
+    assert "tcp://127.0.0.2:" in message and "with key" in message, message
+    assert workers.actors == []

@@ -1,0 +1,138 @@
+"""The roster's lifecycles, as plain objects with a clock: no sockets, no processes.
+
+The roster is the one owner of worker and env records (``zmqpool/roster.py``);
+these tests drive it through its own methods only and read the phases it
+reports. The live behaviour (restarts, rejoins, truncations) is tested with
+real processes in test_restart.py, test_process_deaths.py and test_remote.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqpool.codec import Decoder, Encoder
+from zmqpool.errors import CrashLoopError, RegistrationError
+from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase
+from zmqpool.specs import spec_to_data
+from zmqpool.testing import CountingEnv
+
+SPEC = CountingEnv().specs
+SPEC_DATA = spec_to_data(SPEC)
+
+
+class FakeProcess:
+    """What the roster keeps of a process: its pidfd."""
+
+    def __init__(self, pidfd: int) -> None:
+        self.pidfd = pidfd
+        self.pid = 1000 + pidfd
+
+
+def link_for(identity: bytes, envs: tuple[int, ...], incarnation: bytes = b"i0", key=None):
+    remote = key is not None
+    return Link(identity, b"t" * 16, 1, incarnation, Decoder(), Encoder(), envs, remote, key)
+
+
+def register(roster: Roster, record, incarnation: bytes = b"i0") -> bool:
+    link = link_for(record.identity, record.envs, incarnation, record.key)
+    return roster.go_live(record, link, [(SPEC_DATA, SPEC)] * len(record.envs))
+
+
+def phases(roster: Roster) -> list[str]:
+    return [env.phase.value for env in roster.envs]
+
+
+def test_a_local_worker_lives_dies_is_respawned_and_its_envs_come_back_fresh():
+    roster = Roster(3, [(0, 1), (2,)], [])
+    first, second = roster.local
+    assert [w.phase for w in roster.local] == [WorkerPhase.STARTING] * 2
+    assert first.identity != second.identity and first.identity.startswith(b"w0.")
+    for index, record in enumerate(roster.local):
+        roster.spawned(record, FakeProcess(index + 10))
+        assert register(roster, record) is False  # a first registration is no rejoin
+    assert phases(roster) == ["live"] * 3 and roster.registered() == 3
+    assert roster.by_pidfd(10) is first and roster.processes() and len(roster.linked()) == 2
+
+    roster.killing(first, "hung: no reply", "tb")
+    assert first.phase is WorkerPhase.KILLING
+    assert roster.exited(first, "signal 9") == ("hung: no reply", "tb")  # the pool's cause wins
+    assert roster.by_pidfd(10) is None and first.link is None
+    assert phases(roster) == ["waiting", "waiting", "live"]
+    assert [roster.envs[i].restarts for i in range(3)] == [1, 1, 0]
+    assert roster.envs[0].last_restart_cause == "hung: no reply"
+
+    roster.respawn_due(first, at=5.0)
+    assert roster.due(4.9) == [] and roster.due(5.0) == [first] and roster.next_respawn() == 5.0
+    roster.spawned(first, FakeProcess(11))
+    assert register(roster, first, b"i1") is True  # rebuilt: a rejoin
+    assert phases(roster) == ["fresh", "fresh", "live"]
+    assert roster.begin(0, resets=False) is True  # a fresh env's step is sent as a reset
+    assert roster.begin(0, resets=False) is False  # then it is live
+    assert roster.begin(1, resets=True) is False  # a reset to a fresh env is just a reset
+    assert phases(roster) == ["live"] * 3
+
+
+def test_a_death_the_pool_did_not_cause_keeps_its_own_cause_and_a_crash_loop_is_lost():
+    roster = Roster(1, [(0,)], [])
+    (record,) = roster.local
+    roster.spawned(record, FakeProcess(3))
+    register(roster, record)
+    roster.failed_to_start(record, "maker traceback")
+    assert roster.exited(record, "exit status 1") == ("exit status 1", "maker traceback")
+    error = CrashLoopError([0], "crash loop")
+    roster.lose([0], error)
+    assert roster.envs[0].phase is EnvPhase.LOST and roster.envs[0].lost is error
+    assert record.phase is WorkerPhase.LOST
+
+
+def test_remote_slots_are_claimed_vacated_rejoined_and_lost_by_the_clock():
+    roster = Roster(3, [(0,)], [1, 2])
+    claim = roster.plan_remote(b"host-a", "KEY-A", b"i0", 2, None)
+    assert claim.envs == [1, 2] and not claim.rejoin and not claim.duplicate
+    worker = roster.take_remote(b"host-a", "KEY-A", claim, "came back")
+    assert worker.remote and worker.key == "KEY-A"
+    register(roster, worker)
+    assert roster.plan_remote(b"host-a", "KEY-A", b"i0", 2, None).duplicate  # asked twice
+
+    roster.vacate(worker, now=10.0, cause="silent")
+    assert worker.phase is WorkerPhase.VACANT and phases(roster)[1:] == ["waiting"] * 2
+    assert roster.expired(now=11.0, timeout_s=5.0) == []
+    rejoin = roster.plan_remote(b"host-a", "KEY-A", b"i1", 2, None)  # its own slots back
+    assert rejoin.envs == [1, 2] and rejoin.rejoin and not rejoin.duplicate
+
+    assert roster.expired(now=15.5, timeout_s=5.0) == [1, 2]
+    assert roster.expired(now=20.0, timeout_s=5.0) == []  # reported once
+    assert worker.phase is WorkerPhase.LOST
+    # A lost remote slot is free for any worker; taking it releases the old holder.
+    other = roster.plan_remote(b"host-b", "KEY-B", b"j0", 2, None)
+    assert other.envs == [1, 2] and other.rejoin
+    roster.take_remote(b"host-b", "KEY-B", other, "came back")
+    assert roster.worker(b"host-a") is None and roster.keyed("KEY-A") == []
+
+
+def test_an_identity_belongs_to_its_key_and_keys_are_capped_and_preferred():
+    roster = Roster(4, [], [0, 1, 2, 3])
+    a = roster.take_remote(b"a", "KEY-A", roster.plan_remote(b"a", "KEY-A", b"i", 2, None), "")
+    register(roster, a)
+    with pytest.raises(RegistrationError, match="held by another key"):
+        roster.plan_remote(b"a", "KEY-B", b"i", 2, None)
+    with pytest.raises(RegistrationError, match="max_slots_per_key"):
+        roster.plan_remote(b"a2", "KEY-A", b"i", 1, None, max_per_key=2)
+    with pytest.raises(RegistrationError, match="no room"):
+        roster.plan_remote(b"c", "KEY-C", b"i", 3, None)
+    b = roster.take_remote(b"b", "KEY-B", roster.plan_remote(b"b", "KEY-B", b"i", 2, None), "")
+    register(roster, b)
+    roster.vacate(a, now=0.0, cause="silent")
+    roster.vacate(b, now=0.0, cause="silent")
+    # KEY-B's host came back under a new identity: the slots its key left come first.
+    assert roster.plan_remote(b"b-new", "KEY-B", b"k", 2, None).envs == [2, 3]
+    assert roster.plan_remote(b"a-new", "KEY-A", b"k", 2, None).envs == [0, 1]
+
+
+def test_slots_asked_for_by_name_must_all_be_free():
+    roster = Roster(3, [], [0, 1, 2])
+    taken = roster.take_remote(b"a", None, roster.plan_remote(b"a", None, b"i", 1, [1]), "")
+    register(roster, taken)
+    with pytest.raises(RegistrationError, match="asked for"):
+        roster.plan_remote(b"b", None, b"i", 2, [1, 2])
+    assert roster.plan_remote(b"b", None, b"i", 2, [0, 2]).envs == [0, 2]

@@ -1,0 +1,214 @@
+"""Remote workers launched as Ray actors: ``ZMQAsyncEnvPool(..., remote_workers=RayWorkers(...))``.
+
+Ray places the worker processes on its cluster, restarts them when they die
+(``max_restarts``) and ends them when the pool closes; ZeroMQ stays the data
+plane. The pool starts the actors once its TCP side is bound. For each actor
+the trainer makes a CURVE key pair, authorizes its public key for that
+actor's slots only, and hands the pair to the actor through Ray; no key file
+is needed on the cluster.
+
+Requires ``pip install 'zmqpool[ray]'`` and a Ray runtime the trainer is
+connected to (``ray.init(...)``) before the pool is built.
+
+Example:
+    >>> import ray
+    >>> from zmqpool import ZMQAsyncEnvPool
+    >>> from zmqpool.ray_workers import RayWorkers
+    >>> ray.init(num_cpus=2)  # doctest: +SKIP
+    >>> pool = ZMQAsyncEnvPool(  # doctest: +SKIP
+    ...     [], remote_workers=RayWorkers("zmqpool.testing:CountingEnv", count=2),
+    ...     bind="tcp://127.0.0.1:5555",
+    ... )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+log = logging.getLogger("zmqpool")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchContext:
+    """What the pool gives a launcher once its remote side is bound."""
+
+    endpoint: str  # the bound ROUTER endpoint (tcp://HOST:PORT)
+    server_public: bytes  # the pool's CURVE public key (z85)
+    slots: list[int]  # the env slots this launcher's workers are to fill
+    authorize: Callable[[bytes, list[int]], None]  # admit a public key, for these slots only
+
+
+class RayWorkers:
+    """``count`` Ray actors hosting ``envs_per_actor`` envs each; see the module docstring.
+
+    Args:
+        env: the env maker's import path, ``package.module:callable`` (installed
+            on the cluster's nodes; code never crosses the wire).
+        count: how many actors.
+        envs_per_actor: envs hosted by each actor (in its one process).
+        env_kwargs: keyword arguments for ``env``: one dict, or one per env.
+        num_cpus, resources: each actor's Ray resource request.
+        placement_strategy: ``"PACK"``, ``"SPREAD"``, ``"STRICT_PACK"`` or
+            ``"STRICT_SPREAD"``: the actors go in one placement group of that
+            strategy (None: Ray's default scheduling).
+        max_restarts: how often Ray restarts a dead actor (-1: always).
+        connect_host: the address actors reach the trainer at (default: the
+            bound host, or this node's Ray address when bound to ``0.0.0.0``/``*``).
+        register_timeout_s: how long an actor waits for the pool before failing.
+        env_threads: step an actor's envs each in its own thread.
+    """
+
+    def __init__(
+        self,
+        env: str,
+        count: int,
+        envs_per_actor: int = 1,
+        env_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        num_cpus: float = 1,
+        resources: dict[str, float] | None = None,
+        placement_strategy: str | None = None,
+        max_restarts: int = -1,
+        connect_host: str | None = None,
+        register_timeout_s: float = 60.0,
+        env_threads: bool = False,
+    ) -> None:
+        if not isinstance(count, int) or count < 1 or envs_per_actor < 1:
+            raise ValueError(f"RayWorkers needs count >= 1 and envs_per_actor >= 1, got {count}")
+        if ":" not in env:
+            raise ValueError(f"env must be an import path package.module:callable, got {env!r}")
+        self.env = env
+        self.count = count
+        self.envs_per_actor = envs_per_actor
+        self.env_kwargs = _kwargs_per_env(env_kwargs, count * envs_per_actor)
+        self.options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": max_restarts}
+        if resources:
+            self.options["resources"] = dict(resources)
+        self.placement_strategy = placement_strategy
+        self.connect_host = connect_host
+        self.register_timeout_s = register_timeout_s
+        self.env_threads = env_threads
+        self.actors: list[Any] = []
+        self._placement_group: Any = None
+
+    @property
+    def num_envs(self) -> int:
+        return self.count * self.envs_per_actor
+
+    def start(self, ctx: LaunchContext) -> None:
+        """Start the actors; each gets its own key pair, authorized for its own slots."""
+        ray = _ray()
+        from workers.ray_actor import EnvActor
+
+        actor_class = ray.remote(EnvActor)
+        connect = self._connect_endpoint(ctx.endpoint, ray)
+        run = os.urandom(4).hex()  # identities of this pool's actors, the same across restarts
+        strategies = self._scheduling(ray)
+        per = self.envs_per_actor
+        for i in range(self.count):
+            public, secret = zmq.curve_keypair()
+            slots = ctx.slots[i * per : (i + 1) * per]
+            ctx.authorize(public, slots)
+            options = dict(self.options, **strategies[i])
+            handle = actor_class.options(**options).remote(
+                connect,
+                f"ray-{run}-{i}".encode(),
+                (public, secret, ctx.server_public),
+                self.env,
+                self.env_kwargs[i * per : (i + 1) * per],
+                slots,
+                self.register_timeout_s,
+                self.env_threads,
+            )
+            self.actors.append(handle)
+        log.info(
+            "started %d Ray actors for env slots %s (connecting to %s)",
+            self.count,
+            ctx.slots,
+            connect,
+        )
+
+    def _scheduling(self, ray: Any) -> list[dict[str, Any]]:
+        if self.placement_strategy is None:
+            return [{} for _ in range(self.count)]
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": self.options["num_cpus"], **self.options.get("resources", {})}
+        group = ray.util.placement_group([bundle] * self.count, strategy=self.placement_strategy)
+        self._placement_group = group
+        return [
+            {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, i)}
+            for i in range(self.count)
+        ]
+
+    def _connect_endpoint(self, bound: str, ray: Any) -> str:
+        host, port = bound.removeprefix("tcp://").rsplit(":", 1)
+        if self.connect_host is not None:
+            host = self.connect_host
+        elif host in ("0.0.0.0", "*", "[::]"):
+            host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{port}"
+
+    def failures(self, wait_s: float = 0.0) -> list[str]:
+        """What the actors that could not join say (the address and key they tried)."""
+        ray = _ray()
+        found = []
+        for handle in self.actors:
+            try:
+                status = ray.get(handle.status.remote(wait_s), timeout=wait_s + 10.0)
+            except Exception as err:  # a dead or unplaceable actor: say that
+                found.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+                continue
+            if status["failure"]:
+                found.append(status["failure"])
+        return found
+
+    def actor_pids(self, timeout_s: float = 30.0) -> list[int]:
+        """The process id of each actor now (a restarted actor has a new one)."""
+        ray = _ray()
+        return ray.get([handle.pid.remote() for handle in self.actors], timeout=timeout_s)
+
+    def stop(self) -> None:
+        """End every actor this launcher started (no restart) and its placement group."""
+        if not self.actors and self._placement_group is None:
+            return
+        ray = _ray()
+        for handle in self.actors:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as err:  # already gone, or Ray shut down: nothing left to end
+                log.debug("could not kill a Ray actor: %s", err)
+        self.actors = []
+        if self._placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self._placement_group)
+            except Exception as err:
+                log.debug("could not remove the placement group: %s", err)
+            self._placement_group = None
+
+    def __repr__(self) -> str:
+        return f"RayWorkers({self.env!r}, count={self.count}, envs_per_actor={self.envs_per_actor})"
+
+
+def _kwargs_per_env(kwargs: Any, num_envs: int) -> list[dict[str, Any]]:
+    if kwargs is None or isinstance(kwargs, dict):
+        return [dict(kwargs or {}) for _ in range(num_envs)]
+    kwargs = list(kwargs)
+    if len(kwargs) != num_envs or not all(isinstance(k, dict) for k in kwargs):
+        raise ValueError(f"env_kwargs must be a dict or a list of {num_envs} dicts, one per env")
+    return kwargs
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("RayWorkers needs Ray: pip install 'zmqpool[ray]'") from None
+    if not ray.is_initialized():
+        raise RuntimeError("RayWorkers: connect to a Ray cluster first (ray.init(...))")
+    return ray
