@@ -54,7 +54,7 @@ from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
 from zmqpool.ray_workers import LaunchContext
-from zmqpool.roster import Roster, WorkerRecord
+from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
@@ -373,7 +373,8 @@ class Runtime:
         self.broker.revoke(key)
         envs: list[int] = []
         for record in self.roster.keyed(key):
-            self.supervisor.vacate(record, time.monotonic(), "its key was revoked")
+            if record.phase is WorkerPhase.LIVE:  # a vacant one is set aside already
+                self.supervisor.vacate(record, time.monotonic(), "its key was revoked")
             envs += record.envs
         return envs
 
