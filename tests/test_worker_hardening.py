@@ -23,9 +23,8 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
@@ -49,17 +48,6 @@ BEAT_S = 0.2
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def wait_until(what: str, predicate: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def status_mb(pid: int, field: str) -> float:

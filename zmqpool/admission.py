@@ -29,7 +29,7 @@ from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.errors import ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.events import Event, WorkerFailed, WorkerRegistered
-from zmqpool.layout import max_message_bytes
+from zmqpool.layout import Layout, max_message_bytes
 from zmqpool.limits import MAX_SPEC_BYTES
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
@@ -39,6 +39,9 @@ from zmqpool.state import Ledger
 from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
+
+#: One env's registered specs once checked: as data, decoded, and their zero's layout.
+Checked = tuple[Any, Any, Layout]
 
 #: Layouts a remote connection may announce (each is kept while it is connected).
 _REMOTE_LAYOUTS = 32
@@ -194,7 +197,7 @@ class Registrar:
 
     def _admit(
         self, identity: bytes, key: str | None, reg: Register, remote: bool
-    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+    ) -> tuple[WorkerRecord | None, list[Checked]]:
         """The record to go live and its envs' (data, decoded) specs; None: a duplicate."""
         record = self.roster.worker(identity)
         if not remote:
@@ -209,7 +212,7 @@ class Registrar:
 
     def _admit_local(
         self, record: WorkerRecord, reg: Register
-    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+    ) -> tuple[WorkerRecord | None, list[Checked]]:
         link = record.link
         if link is not None and link.incarnation == reg.incarnation:
             return None, []  # it asked twice: answer, change nothing
@@ -227,7 +230,7 @@ class Registrar:
 
     def _admit_remote(
         self, identity: bytes, key: str | None, reg: Register
-    ) -> tuple[WorkerRecord | None, list[tuple[Any, Any]]]:
+    ) -> tuple[WorkerRecord | None, list[Checked]]:
         if not self.roster.remote_indices:
             raise RegistrationError("this pool has no remote env slots (remote_envs=0)")
         for spec in reg.specs:
@@ -241,8 +244,9 @@ class Registrar:
         cause = "its remote worker came back as a new process"
         return self.roster.take_remote(identity, key, claim, cause), specs
 
-    def _check_spec(self, env: int, data: Any) -> tuple[Any, Any]:
-        """Compared, then decoded (only here, once): the specs as data and decoded.
+    def _check_spec(self, env: int, data: Any) -> Checked:
+        """Compared, then decoded (only here, once): the specs as data, decoded, and the layout
+        of their zero (what bounds the worker's frames).
 
         A remote worker's are decoded under the lower remote budget
         (``PoolConfig.max_remote_spec_bytes``), after the comparison: specs
@@ -253,10 +257,10 @@ class Registrar:
         budget = self.config.max_remote_spec_bytes if remote else MAX_SPEC_BYTES
         try:
             spec = spec_from_data(data, max_bytes=budget)
-            layout_of(spec.zero())  # what bounds its frames must exist too
+            layout = layout_of(spec.zero())
         except Exception as err:  # a peer's specs: whatever they break is a refusal
             raise RegistrationError(f"specs that cannot be built: {err}") from None
-        return data, spec
+        return data, spec, layout
 
     def _compare(self, env: int | None, data: Any) -> None:
         """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
@@ -273,10 +277,10 @@ class Registrar:
                 raise RegistrationError(f"spec mismatch for {slot}: {where}")
 
     def _welcome(
-        self, record: WorkerRecord, reg: Register, specs: list[tuple[Any, Any]], remote: bool
+        self, record: WorkerRecord, reg: Register, specs: list[Checked], remote: bool
     ) -> None:
         # What its specs hold bounds the frames this worker sends.
-        limit = max_message_bytes(layout_of(spec.zero()) for _, spec in specs)
+        limit = max_message_bytes(layout for _, _, layout in specs)
         link = Link(
             record.identity,
             os.urandom(16),
@@ -288,7 +292,7 @@ class Registrar:
             remote,
             record.key,
         )
-        rejoin = self.roster.go_live(record, link, specs)
+        rejoin = self.roster.go_live(record, link, [(data, spec) for data, spec, _ in specs])
         self.liveness.heard(record.identity, time.monotonic())
         self._send_welcome(link)
         self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, rejoin))

@@ -344,7 +344,7 @@ class Roster:
     def expired(self, now: float, timeout_s: float) -> list[int]:
         """Remote envs vacant longer than ``timeout_s`` (each reported once)."""
         late = []
-        for env in self.envs:
+        for env in (self.envs[i] for i in self.remote_indices):  # runs every pump: remote only
             if env.vacant_since is not None and now - env.vacant_since > timeout_s:
                 env.vacant_since = None
                 late.append(env.index)
