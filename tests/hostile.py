@@ -475,6 +475,7 @@ class ScriptedWorker:
         self.host, self.port, self.identity = host, port, identity
         self.dealer = Peer(context, f"tcp://{host}:{port}", curve=curve, identity=identity)
         self.push: zmq.Socket | None = None
+        self.push_monitor: zmq.Socket | None = None
         self.beat: Peer | None = None
         self.token = b""
         self.envs: list[int] = []
@@ -526,8 +527,25 @@ class ScriptedWorker:
                 pub, sec, server = self.curve
                 self.push.curve_publickey, self.push.curve_secretkey = pub, sec
                 self.push.curve_serverkey = server
+            # Watched from before the connect, so the handshake's outcome cannot be missed.
+            self.push_monitor = self.push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self.push.connect(f"tcp://{self.host}:{self.port + 1}")
         self.encoder = None  # a new connection: layouts are announced again
+
+    def results_connected(self, timeout_s: float) -> bool:
+        """True once the results PUSH has finished its (CURVE) handshake, False by the deadline.
+
+        A test that revokes this worker's key must wait for it first: a handshake
+        still under way when the key goes is refused, and the PUSH then has no
+        peer to send a reply to.
+        """
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self.push_monitor is not None, "not welcomed yet"
+        if self.push_monitor.poll(int(timeout_s * 1000)):
+            event = recv_monitor_message(self.push_monitor)
+            return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return False
 
     def command(self, timeout_s: float) -> dict[str, Any] | None:
         """The next command the pool sends (``command``, ``env``, ``seq``, ``body``), or None."""
@@ -576,6 +594,9 @@ class ScriptedWorker:
         if self.beat is not None:
             self.beat.close()
         if self.push is not None:
+            if self.push_monitor is not None:
+                self.push.disable_monitor()
+                self.push_monitor.close(linger=0)
             self.push.close(linger=0)
 
 

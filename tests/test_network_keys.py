@@ -375,6 +375,7 @@ def test_a_revoked_key_is_dropped_and_refused(tmp_path, key_dir, context):
         victim.wait("sent", "send_failed", timeout_s=10)
         command = revoked.command(10)
         assert command is not None and command["command"] == "STEP", command
+        assert revoked.results_connected(10), "the results PUSH never finished its handshake"
         victim.command(f"revoke {key_file}")
         verdict = victim.wait("revoked", "revoke_failed", timeout_s=10)
         assert verdict["event"] == "revoked" and verdict["envs"] == [env], verdict

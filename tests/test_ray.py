@@ -23,6 +23,8 @@ from zmqpool.ray_workers import RayWorkers
 from zmqpool.testing import CountingEnv
 
 CONFIG = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0)
+#: The pool's register deadline where an actor gives up after 2 s: the pool must not wait it out.
+POOL_DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +106,17 @@ def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_clust
         register_timeout_s=2.0,
         max_restarts=0,
     )
+    started = time.monotonic()
     with pytest.raises(RegistrationError) as caught:
         ZMQAsyncEnvPool(
             [],
             remote_workers=workers,
             bind="tcp://127.0.0.1:*",
-            config=PoolConfig(register_timeout_s=15.0, close_timeout_s=1.0),
+            config=PoolConfig(register_timeout_s=POOL_DEADLINE_S, close_timeout_s=1.0),
         )
+    waited = time.monotonic() - started
     message = str(caught.value)
     assert "tcp://127.0.0.2:" in message and "with key" in message, message
+    # The actor gave up after its own 2 s: the pool heard it then, not at its own deadline.
+    assert waited < POOL_DEADLINE_S / 2, f"construction failed after {waited:.1f} s"
     assert workers.actors == []

@@ -95,6 +95,8 @@ class RayWorkers:
         self.env_threads = env_threads
         self.actors: list[Any] = []
         self._placement_group: Any = None
+        # One status query in flight per actor, for poll_failures (index -> ObjectRef).
+        self._status_queries: dict[int, Any] = {}
 
     @property
     def num_envs(self) -> int:
@@ -168,6 +170,38 @@ class RayWorkers:
                 found.append(status["failure"])
         return found
 
+    def poll_failures(self) -> list[str]:
+        """What actors have said so far about failing to join, without waiting.
+
+        The pool calls this while it waits for registrations, so that an actor
+        that gave up (wrong address, refused key) fails the construction then,
+        not at the pool's own deadline. Each actor has one ``status`` query in
+        flight; an answered one is read and, while the actor is still trying,
+        asked again. An actor that died is not reported here: Ray may restart
+        it (``max_restarts``); :meth:`failures` says so at the deadline.
+        """
+        ray = _ray()
+        for i, handle in enumerate(self.actors):
+            if i not in self._status_queries:
+                self._status_queries[i] = handle.status.remote(0.0)
+        answered, _ = ray.wait(
+            list(self._status_queries.values()), num_returns=len(self._status_queries), timeout=0
+        )
+        answered_ids = {ref.hex() for ref in answered}
+        found = []
+        for i, ref in list(self._status_queries.items()):
+            if ref.hex() not in answered_ids:
+                continue
+            del self._status_queries[i]  # asked again next time, unless done
+            try:
+                status = ray.get(ref, timeout=0)
+            except Exception as err:  # died or restarting: not a verdict yet
+                log.debug("actor %d: status query failed: %s", i, err)
+                continue
+            if status["failure"]:
+                found.append(status["failure"])
+        return found
+
     def actor_pids(self, timeout_s: float = 30.0) -> list[int]:
         """The process id of each actor now (a restarted actor has a new one)."""
         ray = _ray()
@@ -184,6 +218,7 @@ class RayWorkers:
             except Exception as err:  # already gone, or Ray shut down: nothing left to end
                 log.debug("could not kill a Ray actor: %s", err)
         self.actors = []
+        self._status_queries.clear()
         if self._placement_group is not None:
             try:
                 ray.util.remove_placement_group(self._placement_group)

@@ -60,6 +60,10 @@ from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
 from zmqpool.wire import Command, Header, encode_message
 
+#: How often construction asks launched workers whether one has given up (each
+#: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
+LAUNCHER_CHECK_S = 0.5
+
 
 class Resources:
     """What must be released when the pool goes, even if it is dropped without ``close()``.
@@ -254,14 +258,33 @@ class Runtime:
         self.broker.watch_fd(process.pidfd)
 
     def _await_registration(self, count: int, deadline: float) -> None:
-        """Until the first ``count`` envs have registered (local envs come first)."""
+        """Until the first ``count`` envs have registered (local envs come first).
+
+        Launched workers that report they gave up end the wait at once (see
+        :meth:`_check_launchers`): their slots would stay empty until the deadline.
+        """
+        next_launcher_check = time.monotonic()
         while self.roster.registered() < count:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise RegistrationError(self._missing_message())
+            if self.resources.launchers and now >= next_launcher_check:
+                next_launcher_check = now + LAUNCHER_CHECK_S
+                self._check_launchers()
             self.broker.poll(min(remaining, 0.1), self)
             for event in self._take_events():
                 self._on_setup_event(event)
+
+    def _check_launchers(self) -> None:
+        """Raise ``RegistrationError`` if a launched worker says it could not join."""
+        for launcher in self.resources.launchers:
+            failures = launcher.poll_failures()
+            if failures:
+                missing = [env.index for env in self.roster.envs if env.spec_data is None]
+                raise RegistrationError(
+                    f"envs {missing} will not register: {launcher!r}: " + "; ".join(failures)
+                )
 
     def _missing_message(self) -> str:
         missing = [env.index for env in self.roster.envs if env.spec_data is None]
