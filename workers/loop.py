@@ -328,6 +328,8 @@ class Worker:
         )
         self._heartbeat.start()
         next_check = time.monotonic() + self.heartbeat_interval_s
+        # Reads wait at most this long (_next_command), so the checks below run on time.
+        self.dealer.rcvtimeo = max(1, int(self.heartbeat_interval_s * 1000))
         try:
             while not self._stop.is_set():
                 if self.pool_lost.is_set() and self.remote_slots:
@@ -361,17 +363,19 @@ class Worker:
     def _next_command(self) -> list[bytes] | None:
         """The next command's frames, waiting up to a heartbeat interval (``None``: nothing).
 
-        Reads first and polls only when nothing is queued: ``Socket.poll``
-        builds a ``Poller`` per call, which costs more than the read when
-        commands queue up (several envs per worker). ``frame.more`` is read off
-        each frame instead of asking the socket for ``RCVMORE``.
+        One blocking read bounded by the DEALER's ``RCVTIMEO`` (set to the
+        heartbeat interval in :meth:`serve`): a worker that hosts one env has
+        nothing queued when it comes back for its next command, and a
+        non-blocking read that fails (``zmq.Again`` raised and caught), then
+        ``Socket.poll`` (a ``Poller`` built per call), then the read again cost
+        ~25 us of the worker's CPU per step more (measured in
+        docs/PERFORMANCE.md). ``frame.more`` is read off each frame instead of
+        asking the socket for ``RCVMORE``.
         """
         try:
-            frames = recv_frames(self.dealer)
+            frames = recv_frames(self.dealer, wait=True)
         except zmq.Again:
-            if not self.dealer.poll(int(self.heartbeat_interval_s * 1000)):
-                return None
-            frames = recv_frames(self.dealer)
+            return None
         return [frame.bytes for frame in frames]
 
     def _handle(self, frames: list[bytes]) -> bool:

@@ -399,16 +399,19 @@ def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
         send(frame, zmq.SNDMORE if i < last else 0, copy=False)
 
 
-def recv_frames(sock: zmq.Socket, max_frames: int = MAX_MESSAGE_FRAMES) -> list[zmq.Frame]:
+def recv_frames(
+    sock: zmq.Socket, max_frames: int = MAX_MESSAGE_FRAMES, wait: bool = False
+) -> list[zmq.Frame]:
     """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, reading ``more`` off each frame.
 
     ``recv_multipart`` asks the socket (``RCVMORE``) after every frame; the
     frame already knows. The rest of a message arrives with its first frame.
     Frames past ``max_frames`` are read and let go at once, never kept (the
     message then fails its header's frame count). Raises ``zmq.Again`` when
-    nothing is queued.
+    nothing is queued; with ``wait``, when nothing came within the socket's
+    ``RCVTIMEO``.
     """
-    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frame = sock.recv(0 if wait else zmq.NOBLOCK, copy=False)
     frames = [frame]
     while frame.more:
         frame = sock.recv(copy=False)
