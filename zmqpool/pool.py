@@ -69,7 +69,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback, refused with
             ``bind``: no CURVE) for local workers.
         remote_workers: remote workers the pool starts itself, e.g.
-            :class:`~zmqpool.ray_workers.RayWorkers` (one, or a list): their
+            :class:`~zmqpool.ray_workers.RayWorkers` (one, or a list; any
+            :class:`~zmqpool.ray_workers.RemoteLauncher`): their
             env slots come right after the local envs, before ``remote_envs``
             more for workers started by hand. Needs ``bind``; without
             ``curve_keys`` the pool makes its CURVE pair in memory.

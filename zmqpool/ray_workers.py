@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -42,6 +42,24 @@ class LaunchContext:
     server_public: bytes  # the pool's CURVE public key (z85)
     slots: list[int]  # the env slots this launcher's workers are to fill
     authorize: Callable[[bytes, list[int]], None]  # admit a public key, for these slots only
+
+
+class RemoteLauncher(Protocol):
+    """What the pool needs of something that starts remote workers (``remote_workers=``).
+
+    :class:`RayWorkers` is one. The pool reads :attr:`num_envs` when it is
+    built, calls :meth:`start` once its TCP side is bound, :meth:`poll_failures`
+    while it waits for registrations (it must not block), :meth:`failures` for
+    its error message if they do not come in time, and :meth:`stop` when it closes.
+    """
+
+    @property
+    def num_envs(self) -> int: ...
+
+    def start(self, ctx: LaunchContext) -> None: ...
+    def poll_failures(self) -> list[str]: ...
+    def failures(self, wait_s: float = 0.0) -> list[str]: ...
+    def stop(self) -> None: ...
 
 
 class RayWorkers:

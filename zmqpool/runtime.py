@@ -53,7 +53,7 @@ from zmqpool.layout import max_message_bytes
 from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
-from zmqpool.ray_workers import LaunchContext
+from zmqpool.ray_workers import LaunchContext, RemoteLauncher
 from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
@@ -78,7 +78,7 @@ class Resources:
         self.roster: Roster | None = None
         self.broker: Broker | None = None
         self.launcher: Launcher | None = None
-        self.launchers: list[Any] = []  # remote launchers started (RayWorkers)
+        self.launchers: list[RemoteLauncher] = []  # remote launchers started (RayWorkers)
         self.closed = False
 
     def release(self, grace_s: float | None = None) -> None:
@@ -118,7 +118,7 @@ class PoolPlan:
     curve_keys: Any = None
     local_transport: str = "ipc"
     remote_spec: Any = None  # the specs remote workers must bring (None: the local envs')
-    launchers: Sequence[Any] = ()  # remote workers the pool starts (RayWorkers), first slots
+    launchers: Sequence[RemoteLauncher] = ()  # remote workers the pool starts, first slots
 
     @property
     def num_envs(self) -> int:
