@@ -11,7 +11,7 @@ results from the registered workers (each result names its env, its step
 count and the action it was sent: a forged one shows), must count every drop,
 and must answer every real step exactly once.
 
-Then the worker side: a malformed command handed to ``Worker._handle`` is
+Then the worker side: a malformed command handed to ``Worker.handle`` is
 refused (dropped, or answered with an error) and the env lives on.
 
 The last tests pin down fixes made after a first fuzzing round: drops are
@@ -484,7 +484,7 @@ def reply_of(worker: Worker) -> tuple[Header, TensorDict | None]:
 
 def step(worker: Worker, encoder: Encoder, seq: int, action: float = 0.25) -> TensorDict:
     td = TensorDict({"action": torch.tensor([action])}, [])
-    assert worker._handle(command(Header(Command.STEP, 0, seq), td, encoder))
+    assert worker.handle(command(Header(Command.STEP, 0, seq), td, encoder))
     header, out = reply_of(worker)
     assert header.command == Command.RESULT and header.seq == seq and header.token == worker.token
     assert out is not None
@@ -517,27 +517,27 @@ def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
         "garbage body": command(Header(Command.STEP, 0, 2, body={"L": 5}), action, encoder),
     }
     for frames in dropped:
-        assert worker._handle(frames)
+        assert worker.handle(frames)
     assert worker.dropped == len(dropped) and not worker.push.sent
     for what, frames in answered.items():
-        assert worker._handle(frames), what
+        assert worker.handle(frames), what
         header, _ = reply_of(worker)
         assert header.command == Command.ERROR and header.seq == 2, what
         failed = Failed.from_body(header.body)
         assert header.token == worker.token and failed.err, what
         # PROTOCOL, not ENV: with on_env_error="restart" an ENV error restarts the worker.
         assert failed.kind is FailureKind.PROTOCOL, what
-    assert worker._handle([Header(Command.PING).encode()]) and not worker.push.sent
+    assert worker.handle([Header(Command.PING).encode()]) and not worker.push.sent
     # The same env, its state intact: none of the bad commands reached it.
     assert worker.host.envs[0] is env
     assert step(worker, encoder, 3)["observation"][:2].tolist() == [7.0, 2.0]
     # A well-formed step the env cannot take is the env's error, and the env lives on too.
-    assert worker._handle(command(Header(Command.STEP, 0, 4), TensorDict({}, []), encoder))
+    assert worker.handle(command(Header(Command.STEP, 0, 4), TensorDict({}, []), encoder))
     header, _ = reply_of(worker)
     assert header.command == Command.ERROR and "env raised" in Failed.from_body(header.body).err
     assert worker.host.envs[0] is env
     assert step(worker, encoder, 5)["observation"][:2].tolist() == [7.0, 4.0]
-    assert not worker._handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
+    assert not worker.handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
 
 
 # ---------------------------------------------------------------- identity takeover

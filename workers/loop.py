@@ -335,7 +335,7 @@ class Worker:
                 if self.pool_lost.is_set() and self.remote_slots:
                     self._rejoin()
                 frames = self._next_command()
-                if frames is not None and not self._handle(frames):
+                if frames is not None and not self.handle(frames):
                     break
                 if (now := time.monotonic()) >= next_check:
                     next_check = now + self.heartbeat_interval_s
@@ -378,8 +378,15 @@ class Worker:
             return None
         return [frame.bytes for frame in frames]
 
-    def _handle(self, frames: list[bytes]) -> bool:
-        """Handle one message; False when told to close."""
+    def handle(self, frames: list[bytes]) -> bool:
+        """Handle one message from the pool, as :meth:`serve` does each; False for CLOSE.
+
+        A command is run on its env and answered on the PUSH (an error reply
+        for a command that is malformed or that the env raised on); a frame
+        that is not even a header is counted in :attr:`dropped`. Driving a
+        worker message by message, without the DEALER, is what this is for
+        (``tests/test_fuzz_live.py`` feeds it hostile frames).
+        """
         try:
             header = Header.decode(frames[0])
         except ProtocolError as err:
