@@ -77,22 +77,23 @@ HERE = Path(__file__).resolve()
 # ---------------------------------------------------------------- processes, ports, memory
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of process ``pid`` (``VmRSS`` in ``/proc/PID/status``), in bytes."""
+def _status_bytes(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``), in bytes."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise ProcessLookupError(f"no VmRSS for pid {pid} (a zombie?)")
+    raise ProcessLookupError(f"no {field} for pid {pid} (a zombie?)")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (``VmRSS``), in bytes."""
+    return _status_bytes(pid, "VmRSS")
 
 
 def peak_rss_bytes(pid: int) -> int:
     """Peak resident set size of process ``pid`` so far (``VmHWM``), in bytes."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise ProcessLookupError(f"no VmHWM for pid {pid} (a zombie?)")
+    return _status_bytes(pid, "VmHWM")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -81,6 +81,7 @@ from zmqpool.protocol import (
 )
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
+from zmqpool.throttle import log_throttled
 from zmqpool.wire import Command, Header, encode_message
 
 log = logging.getLogger("workers")
@@ -368,7 +369,7 @@ class Worker:
         nothing queued when it comes back for its next command, and a
         non-blocking read that fails (``zmq.Again`` raised and caught), then
         ``Socket.poll`` (a ``Poller`` built per call), then the read again cost
-        ~25 us of the worker's CPU per step more (measured in
+        ~14 us of the worker's CPU per step more (measured in
         docs/PERFORMANCE.md). ``frame.more`` is read off each frame instead of
         asking the socket for ``RCVMORE``.
         """
@@ -585,8 +586,9 @@ class _PoolWatch:
         except ProtocolError as err:  # not a beat of any pool's: it proves nothing
             self.worker.malformed_beats += 1
             count = self.worker.malformed_beats
-            if count & (count - 1) == 0:  # 1, 2, 4, 8...: a flood of them logs a few lines
-                log.warning("dropped a malformed pool heartbeat (%d so far): %s", count, err)
+            log_throttled(
+                log, count, "dropped a malformed pool heartbeat (%d so far): %s", count, err
+            )
             return None
 
     def _subscribe(self, endpoint: str | None) -> None:
@@ -648,15 +650,16 @@ class _DropWatch:
             return
         self.dropped_at = None
         self.reconnects += 1
-        if self.reconnects & (self.reconnects - 1) == 0:
-            log.warning(
-                "the connection to %s was dropped for a protocol error (a frame over this "
-                "socket's limit of %d bytes, or a peer that is not the pool): connecting again "
-                "(%d times so far)",
-                self.endpoint,
-                self.sock.getsockopt(zmq.MAXMSGSIZE),
-                self.reconnects,
-            )
+        log_throttled(
+            log,
+            self.reconnects,
+            "the connection to %s was dropped for a protocol error (a frame over this "
+            "socket's limit of %d bytes, or a peer that is not the pool): connecting again "
+            "(%d times so far)",
+            self.endpoint,
+            self.sock.getsockopt(zmq.MAXMSGSIZE),
+            self.reconnects,
+        )
         with contextlib.suppress(zmq.ZMQError):  # the endpoint may be gone already
             self.sock.disconnect(self.endpoint)
         self.sock.connect(self.endpoint)

@@ -26,6 +26,7 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from zmqpool.codec import DecodedPart
+from zmqpool.throttle import log_throttled
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
@@ -131,12 +132,14 @@ class Ledger:
         """Count a message dropped for ``reason`` (a fixed phrase: the counts stay bounded)."""
         count = self.dropped.get(reason, 0) + 1
         self.dropped[reason] = count
-        _throttled(count, "dropped a message: %s (%d so far)", reason, count)
+        log_throttled(log, count, "dropped a message: %s (%d so far)", reason, count)
 
     def refuse(self, who: bytes, reason: str) -> None:
         """Count a REGISTER refused (answered with REFUSE), and say why, without flooding."""
         self.refused += 1
-        _throttled(self.refused, "refused worker %r: %s (%d so far)", who, reason, self.refused)
+        log_throttled(
+            log, self.refused, "refused worker %r: %s (%d so far)", who, reason, self.refused
+        )
 
     def fail(self, envs: Sequence[int], error: Exception) -> None:
         """Answer every request in flight on ``envs`` with ``error``."""
@@ -203,10 +206,3 @@ class Ledger:
     def awaiting(self, channel: Channel) -> int:
         """Requests opened on ``channel`` that no recv has taken yet (in flight or ready)."""
         return self._awaiting.get(channel, 0)
-
-
-def _throttled(count: int, message: str, *args: Any) -> None:
-    """A warning at the 1st, 2nd, 4th, 8th... occurrence, debug otherwise: a flood does not
-    flood the log."""
-    level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
-    log.log(level, message, *args)
