@@ -5,9 +5,12 @@ cannot take answered with an error instead of a hang.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -92,5 +95,33 @@ def test_a_command_its_worker_cannot_take_is_that_envs_error_not_a_hang():
         pool.async_step_send(small, env_index=[0, 1])  # both envs are idle again
         out = pool.async_step_recv(min_get=2, timeout=30)
         assert out["next", "observation"].shape == (2, 4)
+    finally:
+        pool.close()
+
+
+def test_a_refused_command_leaves_a_restarted_env_fresh():
+    """An oversized reset refused to a restarted env was never sent: its next step is a reset.
+
+    A restarted env was rebuilt and never reset, so the pool turns its first
+    step into a reset (answered as a truncation). A command refused for its
+    size must not count as that first command.
+    """
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}], config=CONFIG)
+    try:
+        pool.reset()
+        killed = pool.worker_pid(0)
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pool.worker_pid(0) in (None, killed):  # the pool restarts it while it pumps
+            assert time.monotonic() < deadline, "the killed worker was not restarted in 30 s"
+            pool.runtime.pump(0.1)
+        big = TensorDict({"blob": torch.zeros(1, 4 << 20)}, [1])
+        pool.async_reset_send(big, env_index=[0])
+        with pytest.raises(EnvError, match=r"has a 16777216-byte frame; its worker takes"):
+            pool.async_reset_recv(min_get=1, timeout=30)
+        pool.async_step_send(TensorDict({"action": torch.zeros(1, 1)}, [1]), env_index=[0])
+        out = pool.async_step_recv(min_get=1, timeout=30)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
     finally:
         pool.close()

@@ -373,15 +373,21 @@ class Runtime:
         if link is None:
             return  # sent again when a worker registers for it
         command, payload = pending.command, pending.payload
-        if command != Command.SEED and self.roster.begin(env, resets=command not in STEPS):
+        begins = command != Command.SEED
+        resets = command not in STEPS
+        if begins and not resets and self.roster.is_fresh(env):  # what begin() will say
             command, payload, pending.synth = Command.RESET, None, True
+        # Encoded only if sent: encoding announces its layout on this connection.
         parts = [] if payload is None else [link.encoder.encode(payload)]
         largest = max((memoryview(f).nbytes for p in parts for f in p.frames), default=0)
         if largest > link.decoder.max_frame_bytes:
             # Its worker's socket takes frames as large as its specs imply (with headroom),
             # and would drop the connection for this one: answer with an error instead.
+            # Before roster.begin: nothing is sent, so a fresh env stays fresh.
             self._refuse_oversized(env, pending, largest, link.decoder.max_frame_bytes)
             return
+        if begins:
+            self.roster.begin(env, resets)
         pending.sent_at = time.monotonic()
         frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
         self.broker.route(link.identity, frames, link.remote)
