@@ -182,19 +182,19 @@ class Supervisor:
         timeout = self.config.step_timeout_s
         if timeout is None:
             return
+        # Runs every pump over every env: the cheap lateness test comes first.
         for slot in self.ledger.slots:
-            if not slot.in_flight or self.roster.envs[slot.index].link is None:
+            if not slot.in_flight or now - slot.in_flight[0].sent_at <= timeout:
                 continue
-            pending = slot.in_flight[0]
-            if now - pending.sent_at > timeout:
-                host = self.roster.envs[slot.index].holder
-                if host is None or host.phase is not WorkerPhase.LIVE:
-                    continue
-                cause = f"hung: no reply to {pending.command.name} within {timeout} s"
-                if host.remote:  # not ours to kill: its token is void, its slots wait
-                    self.vacate(host, now, cause)
-                else:
-                    self._kill(host, cause, "")
+            env = self.roster.envs[slot.index]
+            host = env.holder
+            if env.link is None or host is None or host.phase is not WorkerPhase.LIVE:
+                continue
+            cause = f"hung: no reply to {slot.in_flight[0].command.name} within {timeout} s"
+            if host.remote:  # not ours to kill: its token is void, its slots wait
+                self.vacate(host, now, cause)
+            else:
+                self._kill(host, cause, "")
 
     def _kill(self, record: WorkerRecord, cause: str, traceback: str) -> None:
         """SIGKILL a local worker; its pidfd then reports the death as usual."""
