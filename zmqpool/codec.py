@@ -482,17 +482,21 @@ class Decoder:
 
     def decode(self, header: Header, frames: Sequence[Any]) -> list[DecodedPart]:
         """Split ``frames`` (all frames after the header) into the header's parts."""
-        self.learn(header.body)
+        body = header.body
+        if body is not None:  # most messages have none: nothing announced, no non-tensors
+            self.learn(body)
         layouts = [self._layout(i) for i in header.layouts]
-        expected = sum(layout.num_frames for layout in layouts)
+        expected = 0
+        for layout in layouts:
+            expected += len(layout.frame_sizes)
         if len(frames) != expected:
             raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
-        nontensor = _nontensor_lists(header.body, layouts)
+        nontensor = _nontensor_lists(body, layouts)
         parts, start = [], 0
         for layout, values in zip(layouts, nontensor, strict=True):
-            chunk = frames[start : start + layout.num_frames]
-            parts.append(DecodedPart(layout, _checked_buffers(layout, chunk), values))
-            start += layout.num_frames
+            end = start + len(layout.frame_sizes)
+            parts.append(DecodedPart(layout, _checked_buffers(layout, frames[start:end]), values))
+            start = end
         return parts
 
     def _layout(self, layout_id: int) -> Layout:
@@ -518,9 +522,11 @@ def _intern(layout: Layout) -> Layout:
 
 
 def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> list[list[Any]]:
-    lists = (body or {}).get("nt")
+    lists = None if body is None else body.get("nt")
     if lists is None:
-        lists = [[] for _ in layouts]
+        if not any(layout.nontensor_keys for layout in layouts):
+            return [[] for _ in layouts]
+        lists = [[] for _ in layouts]  # refused below: these layouts carry non-tensors
     if not isinstance(lists, list) or len(lists) != len(layouts):
         raise ProtocolError("non-tensor values must be one list per part")
     for values, layout in zip(lists, layouts, strict=True):
@@ -559,10 +565,12 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _checked_buffers(layout: Layout, frames: Sequence[Any]) -> list[memoryview]:
-    buffers = [_buffer(f) for f in frames]
-    for buffer, size in zip(buffers, layout.frame_sizes, strict=True):
+    buffers = []
+    for frame, size in zip(frames, layout.frame_sizes, strict=True):
+        buffer = _buffer(frame)
         if buffer.nbytes != size:
             raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
+        buffers.append(buffer)
     return buffers
 
 

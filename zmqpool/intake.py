@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from zmqpool.admission import peer_key
+from zmqpool.codec import Decoder
 from zmqpool.errors import EnvError, ProtocolError
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
@@ -43,13 +45,15 @@ class Intake:
         except ProtocolError as err:
             self.ledger.drop(f"malformed result header: {type(err).__name__}")
             return
-        if header.command not in (Command.RESULT, Command.ERROR):
+        command = header.command
+        if command is not Command.RESULT and command is not Command.ERROR:
             self.ledger.drop("not a result on the results socket")
             return
         if not 0 <= header.env < len(self.roster.envs):
             self.ledger.drop("env index out of range")
             return
-        link = self.roster.envs[header.env].link
+        record = self.roster.envs[header.env]
+        link = record.link
         if link is None or header.token != link.token or link.remote != remote:
             self.ledger.drop("wrong token for env")
             return
@@ -61,13 +65,13 @@ class Intake:
         if pending is None:
             return
         self.liveness.heard(link.identity, now)
-        if header.command == Command.ERROR:
+        if command is Command.ERROR:
             error, kind = _env_error(header)
             reply = Reply(header.env, pending, error=error)
             if kind is FailureKind.ENV and self._handled_as_crash(header.env, reply):
                 return
         else:
-            reply = self._reply(header, pending, frames[1:])
+            reply = self._reply(header, pending, frames[1:], link.decoder, record.check)
         self.ledger.deliver(reply)
 
     def _handled_as_crash(self, env: int, reply: Reply) -> bool:
@@ -75,15 +79,16 @@ class Intake:
             return False
         return self.on_env_error(env, reply.pending, reply.error)
 
-    def _reply(self, header: Header, pending: Pending, frames: list[zmq.Frame]) -> Reply:
-        link = self.roster.envs[header.env].link
-        assert link is not None  # on_result checked the token against it
+    @staticmethod
+    def _reply(
+        header: Header, pending: Pending, frames: list[zmq.Frame], decoder: Decoder, check: Any
+    ) -> Reply:
+        """The reply to ``pending``: its parts decoded and held to the env's specs (``check``)."""
         try:
-            parts = link.decoder.decode(header, frames)
+            parts = decoder.decode(header, frames)
         except ProtocolError as err:
             # The request was real; its reply is broken: answer it with the error.
             return Reply(header.env, pending, error=EnvError(header.env, f"malformed reply: {err}"))
-        check = self.roster.envs[header.env].check
         for part in parts:
             wrong = check(part.layout)
             if wrong:  # it would break the stack of the whole batch: this env's error alone
