@@ -88,7 +88,7 @@ class Broker:
 
     def __init__(self, config: PoolConfig, local: Endpoints) -> None:
         self.config = config
-        self.context = zmq.Context()
+        self.context = _io_context(config.io_thread_batch_sched)
         self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
         self.poller = zmq.Poller()
         self.local = self._side(local, None, None)
@@ -227,6 +227,19 @@ class Broker:
         if self.auth is not None:  # its own sockets live in this context: before destroy()
             self.auth.stop()
         self.context.destroy(linger=0)
+
+
+def _io_context(batch_sched: bool) -> zmq.Context:
+    """A context whose I/O threads, started with its first socket, are batch-scheduled or not.
+
+    libzmq applies ``THREAD_SCHED_POLICY`` as each of its threads starts; see
+    :attr:`PoolConfig.io_thread_batch_sched` for why batch scheduling.
+    """
+    context = zmq.Context()
+    sched_batch = getattr(os, "SCHED_BATCH", None)  # Linux only
+    if batch_sched and sched_batch is not None:
+        context.set(zmq.THREAD_SCHED_POLICY, sched_batch)
+    return context
 
 
 def _enforce_curve(sock: zmq.Socket, keys: ServerKeys) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 
 from zmqpool.codec import ZERO_COPY_THRESHOLD
 
-_BOOL_FIELDS = ("fork_server", "env_threads", "strict_inputs")
+_BOOL_FIELDS = ("fork_server", "env_threads", "strict_inputs", "io_thread_batch_sched")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,12 @@ class PoolConfig:
     #: or shape than the spec, at the send. Off by default, as in torchrl: the
     #: env gets the caller's tensors as they are (envs cast, or broadcast).
     strict_inputs: bool = False
+    #: run the trainer's ZeroMQ I/O threads under ``SCHED_BATCH`` (Linux; elsewhere
+    #: nothing changes). Woken by each send, a normal I/O thread preempts the
+    #: trainer's thread in the middle of a batch of sends; a batch-scheduled one
+    #: waits its turn and then writes the whole batch, with fewer context
+    #: switches (measured in docs/PERFORMANCE.md). False: the OS's default.
+    io_thread_batch_sched: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
