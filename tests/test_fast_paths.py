@@ -6,6 +6,7 @@
   read-only zmq frames give (torch views).
 - ``env_index_stack(idx)`` builds the object ``NonTensorStack(*idx)`` builds.
 - ``step_next(env, td)`` is ``env.step(td)["next"]``.
+- ``step_proc_data(env, out)`` is ``env._step_proc_data(out)``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
+from torchrl.data import Unbounded
 from torchrl.envs import EnvBase
+from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
+from torchrl.testing.mocking_classes import HeterogeneousCountingEnv, NestedCountingEnv
 
 from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
-from workers.hosting import step_next
+from workers.hosting import step_next, step_proc_data
 from zmqpool import assembly
 from zmqpool.batching import RowPacker, stack_parts
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
@@ -148,3 +152,96 @@ def test_an_env_with_its_own_step_keeps_it():
     assert type(env).step is not EnvBase.step
     out = step_next(env, TensorDict({"action": torch.zeros(1)}, []))
     assert out["stepped_by"].tolist() == [1.0]
+
+
+# ------------------------------------------- step_proc_data: skipped only where a no-op
+
+
+def _stepped(env: EnvBase) -> TensorDict:
+    """A step's raw output (``env._step``), before torchrl's post-processing."""
+    td = env.reset()
+    td.update(env.full_action_spec.zero())
+    return env._step(td)
+
+
+def _proc_matches(env: EnvBase, edit=None) -> TensorDict:
+    """step_proc_data gives what ``env._step_proc_data`` gives, on the same raw output."""
+    out = _stepped(env)
+    if edit is not None:
+        edit(out)
+    expected = canonical(env._step_proc_data(out.clone()))
+    got = step_proc_data(env, out.clone())
+    assert canonical(got) == expected
+    return got
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CountingEnv(env_id=1),
+        lambda: CountingEnv(env_id=1, obs_shape=(2, 3)),
+        lambda: TorchRLCountingEnv(),
+        lambda: TorchRLCountingEnv(batch_size=[2]),
+        lambda: NestedCountingEnv(),
+        lambda: NestedCountingEnv(nest_done=False, nest_reward=False),
+        lambda: HeterogeneousCountingEnv(),
+    ],
+)
+def test_step_proc_data_is_env_step_proc_data(make):
+    _proc_matches(make())
+
+
+def test_a_complete_output_is_returned_as_it_is():
+    env = CountingEnv()
+    out = _stepped(env)
+    assert step_proc_data(env, out) is out
+
+
+def test_an_incomplete_output_is_completed_as_torchrl_does():
+    env = CountingEnv()
+    # A missing done flag is filled in, a reward of another shape is reshaped.
+    got = _proc_matches(env, lambda out: out.del_("done"))
+    assert got.get("done", None) is not None
+    got = _proc_matches(env, lambda out: out.set("reward", out["reward"].reshape(1, 1)))
+    assert got["reward"].shape == (1,)
+    # No reward: torchrl's error, not a silent pass.
+    no_reward = _stepped(env).exclude("reward")
+    with pytest.raises(Exception) as torchrl_error:
+        env._step_proc_data(no_reward.clone())
+    with pytest.raises(torchrl_error.type):
+        step_proc_data(env, no_reward)
+
+
+def test_new_specs_are_checked_against_not_the_cached_ones():
+    env = CountingEnv()
+    step_proc_data(env, _stepped(env))  # the checks are cached now
+    env.reward_spec = Unbounded(shape=(2,))  # unlocks the specs, so torchrl empties its cache
+    out = _stepped(env)  # a reward of shape (1,): torchrl's view to (2,) fails
+    with pytest.raises(RuntimeError):
+        env._step_proc_data(out.clone())
+    with pytest.raises(RuntimeError):
+        step_proc_data(env, out)
+
+
+def test_type_checks_and_unlocked_specs_keep_torchrl_path():
+    env = CountingEnv()
+    env.run_type_checks = True
+    out = _stepped(env)
+    out.set("reward", out["reward"].double())  # a type error only the type checks see
+    with pytest.raises(TypeError):
+        step_proc_data(env, out)
+    env = CountingEnv()
+    env.set_spec_lock_(False)  # torchrl caches nothing then: neither do we
+    out = _stepped(env)
+    out.del_("done")
+    assert step_proc_data(env, out).get("done", None) is not None
+
+
+class _OwnProcData(CountingEnv):
+    def _step_proc_data(self, next_tensordict_out):
+        return super()._step_proc_data(next_tensordict_out).set("proc", torch.ones(1))
+
+
+def test_an_env_with_its_own_step_proc_data_keeps_it():
+    env = _OwnProcData()
+    assert step_proc_data(env, _stepped(env))["proc"].tolist() == [1.0]
