@@ -7,6 +7,7 @@
 - ``env_index_stack(idx)`` builds the object ``NonTensorStack(*idx)`` builds.
 - ``step_next(env, td)`` is ``env.step(td)["next"]``.
 - ``step_proc_data(env, out)`` is ``env._step_proc_data(out)``.
+- ``step_and_maybe_reset(env, td)`` is ``env.step_and_maybe_reset(td)``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 from torchrl.data import Unbounded
-from torchrl.envs import EnvBase
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
 from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
 from torchrl.testing.mocking_classes import HeterogeneousCountingEnv, NestedCountingEnv
 
 from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
-from workers.hosting import step_next, step_proc_data
+from workers.hosting import step_and_maybe_reset, step_next, step_proc_data
 from zmqpool import assembly
 from zmqpool.batching import RowPacker, stack_parts
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
@@ -245,3 +246,50 @@ class _OwnProcData(CountingEnv):
 def test_an_env_with_its_own_step_proc_data_keeps_it():
     env = _OwnProcData()
     assert step_proc_data(env, _stepped(env))["proc"].tolist() == [1.0]
+
+
+# ------------------------------------ step_and_maybe_reset: torchrl's, with a lean step
+
+
+def _rollout_of(stepper, make, steps: int = 7) -> list:
+    """Each step's (result, next root), stepping one env from reset with ``stepper``."""
+    torch.manual_seed(0)
+    env = make()
+    env.set_seed(0)
+    root = env.reset()
+    seen = []
+    for _ in range(steps):
+        root.update(env.full_action_spec.zero())
+        result, root = stepper(env, root)
+        seen.append((canonical(result.clone()), canonical(root.clone())))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CountingEnv(env_id=1, max_steps=3),  # episode ends: resets on the way
+        lambda: TorchRLCountingEnv(max_steps=3),
+        lambda: TorchRLCountingEnv(max_steps=3, batch_size=[2]),
+        lambda: NestedCountingEnv(max_steps=3),
+        lambda: HeterogeneousCountingEnv(max_steps=3),
+        lambda: TransformedEnv(CountingEnv(env_id=1, max_steps=3), StepCounter(max_steps=2)),
+    ],
+)
+def test_step_and_maybe_reset_is_torchrl_s(make):
+    expected = _rollout_of(lambda env, td: env.step_and_maybe_reset(td), make)
+    assert _rollout_of(step_and_maybe_reset, make) == expected
+
+
+def test_step_and_maybe_reset_leaves_partial_steps_to_torchrl(monkeypatch):
+    env = CountingEnv()
+    td = env.reset()
+    td.set("action", torch.zeros(1))
+    td.set("_step", torch.tensor(True))
+    calls = []
+    original = EnvBase.step_and_maybe_reset
+    monkeypatch.setattr(
+        EnvBase, "step_and_maybe_reset", lambda self, t: calls.append(1) or original(self, t)
+    )
+    step_and_maybe_reset(env, td)
+    assert calls

@@ -192,8 +192,43 @@ def _step_and_maybe_reset(
 ) -> Parts:
     td = _need(td)
     before = leaf_state(td)
-    result, next_root = env.step_and_maybe_reset(td)
+    result, next_root = step_and_maybe_reset(env, td)
     return _with_edited_root([result.get("next"), next_root], result, before)
+
+
+def step_and_maybe_reset(env: EnvBase, td: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+    """``env.step_and_maybe_reset(td)``, its step as lean as :func:`step_next`'s.
+
+    torchrl's is ``EnvBase.step`` (with ``_step_proc_data``), ``_step_mdp``, the
+    post-step-mdp hooks and ``maybe_reset``; here the step is :func:`step_next`'s
+    (~10 us less) and the rest is the env's own methods, in the same order. Envs
+    that change any of it (their own ``step`` or ``step_and_maybe_reset``, a
+    compiled one, native auto-reset), an input with ``"_step"`` or ``"next"``
+    and one on another device take torchrl's path.
+    """
+    if not _lean_step_and_maybe_reset(env, td):
+        return env.step_and_maybe_reset(td)
+    env._assert_tensordict_shape(td)
+    td.set("next", step_proc_data(env, env._step(td)))  # EnvBase.step's set, with its checks
+    next_root = env._step_mdp(td)
+    hooks = getattr(env, "_post_step_mdp_hooks", None)  # not in every torchrl 0.14.x
+    if hooks is not None:
+        td, next_root = hooks(td, next_root)
+    return td, env.maybe_reset(next_root)
+
+
+def _lean_step_and_maybe_reset(env: EnvBase, td: TensorDictBase) -> bool:
+    """Whether EnvBase's ``step_and_maybe_reset`` would do for ``td`` just what ours does."""
+    cls = type(env)
+    return (
+        cls.step_and_maybe_reset is EnvBase.step_and_maybe_reset
+        and cls._step_and_maybe_reset is EnvBase._step_and_maybe_reset
+        and cls.step is EnvBase.step
+        and env.__dict__.get("_compiled_step_and_maybe_reset") is None
+        and not env.__dict__.get("_torchrl_native_autoreset", False)
+        and td.device == env.device
+        and not _has_step_extras(td)
+    )
 
 
 def _seed(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
