@@ -23,7 +23,7 @@ from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
 from torchrl.testing.mocking_classes import HeterogeneousCountingEnv, NestedCountingEnv
 
 from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
-from workers.hosting import step_and_maybe_reset, step_next, step_proc_data
+from workers.hosting import EnvHost, step_and_maybe_reset, step_next, step_proc_data
 from zmqpool import assembly
 from zmqpool.batching import RowPacker, stack_parts
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
@@ -293,3 +293,39 @@ def test_step_and_maybe_reset_leaves_partial_steps_to_torchrl(monkeypatch):
     )
     step_and_maybe_reset(env, td)
     assert calls
+
+
+# ------------------------------------------- an env that edits its input: the root comes back
+
+
+class _Editing(CountingEnv):
+    """Edits its input as told: ``"inplace"``, ``"new_key"``, ``"replace"`` or not at all."""
+
+    def __init__(self, edit: str | None) -> None:
+        super().__init__()
+        self.edit = edit
+
+    def _step(self, tensordict):
+        if self.edit == "inplace":
+            tensordict["action"].add_(1)
+        elif self.edit == "new_key":
+            tensordict.set("seen", torch.ones(1))
+        elif self.edit == "replace":
+            tensordict.set("action", tensordict["action"] + 1)
+        return super()._step(tensordict)
+
+
+@pytest.mark.parametrize("command", [Command.STEP, Command.STEP_AND_MAYBE_RESET])
+@pytest.mark.parametrize("edit", [None, "inplace", "new_key", "replace"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_edited_input_travels_back(command, edit, nested):
+    env = _Editing(edit)
+    td = env.reset() if command == Command.STEP_AND_MAYBE_RESET else TensorDict({}, [])
+    td.set("action", torch.zeros(1))
+    if nested:  # a tree: input_state falls back to leaf_state
+        td.set(("extra", "x"), torch.zeros(2))
+    parts = EnvHost({0: env}).run(command, 0, td, {})
+    plain = 2 if command == Command.STEP_AND_MAYBE_RESET else 1
+    assert len(parts) == plain + (edit is not None)
+    if edit is not None:
+        assert parts[-1].get("action", None) is not None and parts[-1].get("next", None) is None
