@@ -6,6 +6,8 @@
   read-only zmq frames give (torch views).
 - ``env_index_stack(idx)`` builds the object ``NonTensorStack(*idx)`` builds.
 - ``step_next(env, td)`` is ``env.step(td)["next"]``.
+- ``step_proc_data(env, out)`` is ``env._step_proc_data(out)``.
+- ``step_and_maybe_reset(env, td)`` is ``env.step_and_maybe_reset(td)``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
-from torchrl.envs import EnvBase
+from torchrl.data import Unbounded
+from torchrl.envs import EnvBase, StepCounter, TransformedEnv
+from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
+from torchrl.testing.mocking_classes import HeterogeneousCountingEnv, NestedCountingEnv
 
 from tests.test_codec_properties import SETTINGS, as_received, canonical, tensordicts
-from workers.hosting import step_next
+from workers.hosting import EnvHost, step_and_maybe_reset, step_next, step_proc_data
 from zmqpool import assembly
 from zmqpool.batching import RowPacker, stack_parts
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
@@ -148,3 +153,179 @@ def test_an_env_with_its_own_step_keeps_it():
     assert type(env).step is not EnvBase.step
     out = step_next(env, TensorDict({"action": torch.zeros(1)}, []))
     assert out["stepped_by"].tolist() == [1.0]
+
+
+# ------------------------------------------- step_proc_data: skipped only where a no-op
+
+
+def _stepped(env: EnvBase) -> TensorDict:
+    """A step's raw output (``env._step``), before torchrl's post-processing."""
+    td = env.reset()
+    td.update(env.full_action_spec.zero())
+    return env._step(td)
+
+
+def _proc_matches(env: EnvBase, edit=None) -> TensorDict:
+    """step_proc_data gives what ``env._step_proc_data`` gives, on the same raw output."""
+    out = _stepped(env)
+    if edit is not None:
+        edit(out)
+    expected = canonical(env._step_proc_data(out.clone()))
+    got = step_proc_data(env, out.clone())
+    assert canonical(got) == expected
+    return got
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CountingEnv(env_id=1),
+        lambda: CountingEnv(env_id=1, obs_shape=(2, 3)),
+        lambda: TorchRLCountingEnv(),
+        lambda: TorchRLCountingEnv(batch_size=[2]),
+        lambda: NestedCountingEnv(),
+        lambda: NestedCountingEnv(nest_done=False, nest_reward=False),
+        lambda: HeterogeneousCountingEnv(),
+    ],
+)
+def test_step_proc_data_is_env_step_proc_data(make):
+    _proc_matches(make())
+
+
+def test_a_complete_output_is_returned_as_it_is():
+    env = CountingEnv()
+    out = _stepped(env)
+    assert step_proc_data(env, out) is out
+
+
+def test_an_incomplete_output_is_completed_as_torchrl_does():
+    env = CountingEnv()
+    # A missing done flag is filled in, a reward of another shape is reshaped.
+    got = _proc_matches(env, lambda out: out.del_("done"))
+    assert got.get("done", None) is not None
+    got = _proc_matches(env, lambda out: out.set("reward", out["reward"].reshape(1, 1)))
+    assert got["reward"].shape == (1,)
+    # No reward: torchrl's error, not a silent pass.
+    no_reward = _stepped(env).exclude("reward")
+    with pytest.raises(Exception) as torchrl_error:
+        env._step_proc_data(no_reward.clone())
+    with pytest.raises(torchrl_error.type):
+        step_proc_data(env, no_reward)
+
+
+def test_new_specs_are_checked_against_not_the_cached_ones():
+    env = CountingEnv()
+    step_proc_data(env, _stepped(env))  # the checks are cached now
+    env.reward_spec = Unbounded(shape=(2,))  # unlocks the specs, so torchrl empties its cache
+    out = _stepped(env)  # a reward of shape (1,): torchrl's view to (2,) fails
+    with pytest.raises(RuntimeError):
+        env._step_proc_data(out.clone())
+    with pytest.raises(RuntimeError):
+        step_proc_data(env, out)
+
+
+def test_type_checks_and_unlocked_specs_keep_torchrl_path():
+    env = CountingEnv()
+    env.run_type_checks = True
+    out = _stepped(env)
+    out.set("reward", out["reward"].double())  # a type error only the type checks see
+    with pytest.raises(TypeError):
+        step_proc_data(env, out)
+    env = CountingEnv()
+    env.set_spec_lock_(False)  # torchrl caches nothing then: neither do we
+    out = _stepped(env)
+    out.del_("done")
+    assert step_proc_data(env, out).get("done", None) is not None
+
+
+class _OwnProcData(CountingEnv):
+    def _step_proc_data(self, next_tensordict_out):
+        return super()._step_proc_data(next_tensordict_out).set("proc", torch.ones(1))
+
+
+def test_an_env_with_its_own_step_proc_data_keeps_it():
+    env = _OwnProcData()
+    assert step_proc_data(env, _stepped(env))["proc"].tolist() == [1.0]
+
+
+# ------------------------------------ step_and_maybe_reset: torchrl's, with a lean step
+
+
+def _rollout_of(stepper, make, steps: int = 7) -> list:
+    """Each step's (result, next root), stepping one env from reset with ``stepper``."""
+    torch.manual_seed(0)
+    env = make()
+    env.set_seed(0)
+    root = env.reset()
+    seen = []
+    for _ in range(steps):
+        root.update(env.full_action_spec.zero())
+        result, root = stepper(env, root)
+        seen.append((canonical(result.clone()), canonical(root.clone())))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CountingEnv(env_id=1, max_steps=3),  # episode ends: resets on the way
+        lambda: TorchRLCountingEnv(max_steps=3),
+        lambda: TorchRLCountingEnv(max_steps=3, batch_size=[2]),
+        lambda: NestedCountingEnv(max_steps=3),
+        lambda: HeterogeneousCountingEnv(max_steps=3),
+        lambda: TransformedEnv(CountingEnv(env_id=1, max_steps=3), StepCounter(max_steps=2)),
+    ],
+)
+def test_step_and_maybe_reset_is_torchrl_s(make):
+    expected = _rollout_of(lambda env, td: env.step_and_maybe_reset(td), make)
+    assert _rollout_of(step_and_maybe_reset, make) == expected
+
+
+def test_step_and_maybe_reset_leaves_partial_steps_to_torchrl(monkeypatch):
+    env = CountingEnv()
+    td = env.reset()
+    td.set("action", torch.zeros(1))
+    td.set("_step", torch.tensor(True))
+    calls = []
+    original = EnvBase.step_and_maybe_reset
+    monkeypatch.setattr(
+        EnvBase, "step_and_maybe_reset", lambda self, t: calls.append(1) or original(self, t)
+    )
+    step_and_maybe_reset(env, td)
+    assert calls
+
+
+# ------------------------------------------- an env that edits its input: the root comes back
+
+
+class _Editing(CountingEnv):
+    """Edits its input as told: ``"inplace"``, ``"new_key"``, ``"replace"`` or not at all."""
+
+    def __init__(self, edit: str | None) -> None:
+        super().__init__()
+        self.edit = edit
+
+    def _step(self, tensordict):
+        if self.edit == "inplace":
+            tensordict["action"].add_(1)
+        elif self.edit == "new_key":
+            tensordict.set("seen", torch.ones(1))
+        elif self.edit == "replace":
+            tensordict.set("action", tensordict["action"] + 1)
+        return super()._step(tensordict)
+
+
+@pytest.mark.parametrize("command", [Command.STEP, Command.STEP_AND_MAYBE_RESET])
+@pytest.mark.parametrize("edit", [None, "inplace", "new_key", "replace"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_edited_input_travels_back(command, edit, nested):
+    env = _Editing(edit)
+    td = env.reset() if command == Command.STEP_AND_MAYBE_RESET else TensorDict({}, [])
+    td.set("action", torch.zeros(1))
+    if nested:  # a tree: input_state falls back to leaf_state
+        td.set(("extra", "x"), torch.zeros(2))
+    parts = EnvHost({0: env}).run(command, 0, td, {})
+    plain = 2 if command == Command.STEP_AND_MAYBE_RESET else 1
+    assert len(parts) == plain + (edit is not None)
+    if edit is not None:
+        assert parts[-1].get("action", None) is not None and parts[-1].get("next", None) is None
