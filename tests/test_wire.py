@@ -141,6 +141,12 @@ def fields(**override):
         fields(layouts=[-1]),
         fields(layouts=[0] * 99),
         fields(body=[1]),
+        # msgpack's booleans are not integers, though Python's bool is an int
+        fields(version=True),
+        fields(command=True),
+        fields(env=False),
+        fields(seq=True),
+        fields(layouts=[True]),
     ],
 )
 def test_malformed_headers_raise_protocol_error(frame):

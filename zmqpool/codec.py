@@ -486,15 +486,13 @@ class Decoder:
         if body is not None:  # most messages have none: nothing announced, no non-tensors
             self.learn(body)
         layouts = [self._layout(i) for i in header.layouts]
-        expected = 0
-        for layout in layouts:
-            expected += len(layout.frame_sizes)
+        expected = sum([layout.num_frames for layout in layouts])
         if len(frames) != expected:
             raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
         nontensor = _nontensor_lists(body, layouts)
         parts, start = [], 0
         for layout, values in zip(layouts, nontensor, strict=True):
-            end = start + len(layout.frame_sizes)
+            end = start + layout.num_frames
             parts.append(DecodedPart(layout, _checked_buffers(layout, frames[start:end]), values))
             start = end
         return parts
@@ -524,9 +522,7 @@ def _intern(layout: Layout) -> Layout:
 def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> list[list[Any]]:
     lists = None if body is None else body.get("nt")
     if lists is None:
-        if not any(layout.nontensor_keys for layout in layouts):
-            return [[] for _ in layouts]
-        lists = [[] for _ in layouts]  # refused below: these layouts carry non-tensors
+        lists = [[] for _ in layouts]
     if not isinstance(lists, list) or len(lists) != len(layouts):
         raise ProtocolError("non-tensor values must be one list per part")
     for values, layout in zip(lists, layouts, strict=True):

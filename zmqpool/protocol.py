@@ -80,7 +80,7 @@ from typing import Any
 import zmq
 
 from zmqpool.errors import ProtocolError
-from zmqpool.limits import MAX_MESSAGE_FRAMES
+from zmqpool.limits import MAX_MESSAGE_FRAMES, is_int
 
 #: The most env indices (and specs) one worker registers, and one WELCOME assigns.
 MAX_WORKER_ENVS = 1024
@@ -128,13 +128,9 @@ def _fields(body: Any, what: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
     return body
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int(value: Any, field: str, low: int, high: int) -> int:
     """An int in ``[low, high)``."""
-    if not _is_int(value) or not low <= value < high:
+    if not is_int(value) or not low <= value < high:
         raise ProtocolError(f"{field} must be an integer in [{low}, {high}), got {value!r:.40}")
     return int(value)
 

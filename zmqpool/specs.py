@@ -104,7 +104,7 @@ from torchrl.data.tensor_specs import (
 from zmqpool.classnames import resolve_tensorclass, tensorclass_fields, tensorclass_name
 from zmqpool.errors import ProtocolError
 from zmqpool.layout import dtype_from_name, dtype_name
-from zmqpool.limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_SPEC_BYTES
+from zmqpool.limits import MAX_DEPTH, MAX_DIMS, MAX_NUMEL, MAX_SPEC_BYTES, is_int
 
 __all__ = ["spec_from_data", "spec_to_data"]
 
@@ -541,7 +541,7 @@ def _check_keys(
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
-    return type(value) is int and low <= value <= high
+    return is_int(value) and low <= value <= high
 
 
 def _int_field(at: _At, data: Mapping[str, Any], key: str, low: int, high: int) -> int:
