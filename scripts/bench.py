@@ -50,11 +50,27 @@ process tree (this process and its workers) per env-step;
 building the pool and its first reset are not counted. Actions carry only the
 ``action`` key (what a trainer sends back); results are not copied further.
 
+``--repeat N`` runs the whole plan N times, interleaved: round 1 measures every
+(scenario, row) once in plan order, then round 2 again, and so on, so a row and
+its reference alternate in time and the machine's drift hits both. Each row of
+the table is then the median of its runs that measured (every figure on its
+own: steps/s, CPU, switches, latency, GB/s, start-up, close, PSS ...), and
+ratios and targets are judged on those medians as on a single run. A repeated
+row says so in its ``detail`` cell (``median of 3 (4,010-4,190)``: its runs'
+range of steps/s; ``median of 2 of 3`` if a run failed or was skipped). The
+JSON rows gain ``runs`` (the runs measured and combined), ``rounds`` (tried),
+``steps_per_s_min``/``steps_per_s_max`` and ``individual_runs`` (each run's own
+row, errors and skips included); ``meta.repeat`` is N. Without it (N = 1) the
+table is a single run's, ``runs``/``rounds`` are 1 (``runs`` 0 for a row that
+failed), the spread is null and there is no ``individual_runs``. Any failed run
+makes the exit code 1.
+
 Usage::
 
     python scripts/bench.py --scale            # every row of the issue, one run (~7 min)
     python scripts/bench.py                    # all but the scale rows, ~3 s per row
     python scripts/bench.py --quick --scale    # a smoke run, under a minute
+    python scripts/bench.py --scenarios cheap,1mib,scale128 --repeat 3   # medians of 3 rounds
     python scripts/bench.py --scenarios cheap,roundtrip --rows zmqpool,torchrl-shm \\
         --json bench_results/run.json --plot bench_results/run.png
 """
@@ -76,6 +92,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -320,6 +337,13 @@ class RowResult:
     #: Why the row was not run (printed; e.g. not enough free memory). Not an error.
     skipped: str | None = None
     error: str | None = None
+    #: ``--repeat``: the runs of this cell measured and combined (their medians above),
+    #: out of ``rounds`` attempted; a run that errored or was skipped is not counted.
+    runs: int = 1
+    rounds: int = 1
+    #: ``--repeat`` > 1: the slowest and fastest of the ``runs`` measured (``None``: one run).
+    steps_per_s_min: float | None = None
+    steps_per_s_max: float | None = None
 
 
 # --------------------------------------------------------------------------- async pool rows
@@ -981,7 +1005,7 @@ def run_row(sc: Scenario, row: str, cfg: Config, done: list[RowResult] | None = 
     return result
 
 
-def log_row(i: int, total: int, r: RowResult) -> None:
+def log_row(i: int, total: int, r: RowResult, round_text: str = "") -> None:
     if r.skipped:
         what = f"SKIPPED: {r.skipped}"
     elif r.error:
@@ -989,19 +1013,96 @@ def log_row(i: int, total: int, r: RowResult) -> None:
     else:
         what = f"{r.steps_per_s:12,.0f} steps/s"
     print(
-        f"[{i:2d}/{total}] {r.scenario:>9}/{r.row:<13} {what}  (built in {r.construct_s:.1f} s)",
+        f"{round_text}[{i:2d}/{total}] {r.scenario:>9}/{r.row:<13} {what}  "
+        f"(built in {r.construct_s:.1f} s)",
         file=sys.stderr,
         flush=True,
     )
 
 
-def run_all(scenarios: list[Scenario], rows: set[str], cfg: Config) -> list[RowResult]:
+def round_text(n: int, repeat: int) -> str:
+    """``[round n/N] `` ahead of a progress line; nothing when there is one round."""
+    return f"[round {n}/{repeat}] " if repeat > 1 else ""
+
+
+def run_all(
+    scenarios: list[Scenario], rows: set[str], cfg: Config, repeat: int = 1
+) -> list[list[RowResult]]:
+    """Each (scenario, row) of the plan ``repeat`` times: its runs, per cell in plan order.
+
+    Rounds are interleaved (every cell once, then every cell again) rather than
+    each cell ``repeat`` times in a row: a row and its reference then alternate
+    in time, so the other load on a shared machine drifts under both alike.
+    """
     plan = [(sc, row) for sc in scenarios for row in sc.rows if row in rows]
-    results: list[RowResult] = []
-    for i, (sc, row) in enumerate(plan, 1):
-        results.append(run_row(sc, row, cfg, results))
-        log_row(i, len(plan), results[-1])
-    return results
+    cells: list[list[RowResult]] = [[] for _ in plan]
+    done: list[RowResult] = []  # every run so far, any round: what scale rows estimate memory from
+    for n in range(1, repeat + 1):
+        for i, (sc, row) in enumerate(plan, 1):
+            result = run_row(sc, row, cfg, done)
+            done.append(result)
+            cells[i - 1].append(result)
+            log_row(i, len(plan), result, round_text(n, repeat))
+    return cells
+
+
+#: What says which cell a run measured (equal in all its runs), why it measured nothing,
+#: or how its runs spread: every other field of a :class:`RowResult` is a measured figure.
+NOT_FIGURES = frozenset(
+    {
+        "scenario",
+        "row",
+        "num_envs",
+        "payload_bytes",
+        "envs_per_worker",
+        "skipped",
+        "error",
+        "runs",
+        "rounds",
+        "steps_per_s_min",
+        "steps_per_s_max",
+    }
+)
+
+
+def figure_fields() -> list[str]:
+    """The :class:`RowResult` fields that :func:`combine_runs` takes the median of."""
+    return [f.name for f in dataclass_fields(RowResult) if f.name not in NOT_FIGURES]
+
+
+def median_of(values: list[Any]) -> Any:
+    """The median of the values the runs have (``None``: none has one); ints stay ints."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    middle = statistics.median(present)
+    return round(middle) if all(isinstance(v, int) for v in present) else middle
+
+
+def combine_runs(runs: list[RowResult]) -> RowResult:
+    """One cell's runs as one row: each figure the median over the runs that measured.
+
+    ``runs``/``rounds`` say how many measured out of how many were tried, and
+    ``steps_per_s_min``/``_max`` the spread. A cell with no measuring run keeps
+    its first error (else its first skip) as a single run would; a single run is
+    returned as it is, so ``--repeat 1`` reports exactly what one run measured.
+    """
+    measured = [r for r in runs if not r.error and not r.skipped]
+    if not measured:
+        failed = next((r for r in runs if r.error), runs[0])
+        return replace(failed, runs=0, rounds=len(runs))
+    if len(runs) == 1:
+        return runs[0]
+    figures = {name: median_of([getattr(r, name) for r in measured]) for name in figure_fields()}
+    rates = [r.steps_per_s for r in measured]
+    return replace(
+        measured[0],
+        **figures,
+        runs=len(measured),
+        rounds=len(runs),
+        steps_per_s_min=min(rates),
+        steps_per_s_max=max(rates),
+    )
 
 
 # --------------------------------------------------------------------------- ratios, targets
@@ -1184,6 +1285,25 @@ def extra_text(r: RowResult, sc: Scenario | None = None) -> str:
     return ", ".join(parts)
 
 
+def runs_text(r: RowResult) -> str:
+    """``--repeat`` > 1: how many runs a row's medians are of, and their range of steps/s."""
+    if r.rounds == 1:
+        return ""
+    if not r.runs:
+        return f"none of {r.rounds} runs measured"
+    of_rounds = "" if r.runs == r.rounds else f" of {r.rounds}"
+    spread = ""
+    if r.steps_per_s_min is not None and r.steps_per_s_max is not None:
+        spread = f" ({r.steps_per_s_min:,.0f}-{r.steps_per_s_max:,.0f})"
+    return f"median of {r.runs}{of_rounds}{spread}"
+
+
+def detail_text(r: RowResult, sc: Scenario | None) -> str:
+    """The table's detail cell: the runs combined (if repeated), then the row's extra figures."""
+    extra = "" if r.skipped or r.error else extra_text(r, sc)
+    return "; ".join(part for part in (runs_text(r), extra) if part)
+
+
 def cpu_text(r: RowResult) -> str:
     if r.cpu_us_per_step is None or r.trainer_cpu_us_per_step is None:
         return ""
@@ -1228,7 +1348,7 @@ def markdown_table(
             rate,
             cpu_text(r),
             "" if r.switches_per_step is None else f"{r.switches_per_step:.1f}",
-            "" if r.skipped or r.error else extra_text(r, scenarios.get(r.scenario)),
+            detail_text(r, scenarios.get(r.scenario)),
             speedup,
             target_text(r.scenario, r.row, verdicts),
         ]
@@ -1236,10 +1356,28 @@ def markdown_table(
     return "\n".join(lines)
 
 
-def write_json(path: Path, results: list[RowResult], verdicts: list, meta: dict) -> None:
+def result_entries(
+    results: list[RowResult], cells: list[list[RowResult]] | None
+) -> list[dict[str, Any]]:
+    """The JSON rows: each combined row, and with ``--repeat`` > 1 every run it combines."""
+    entries = [asdict(r) for r in results]
+    for entry, runs in zip(entries, cells or [], strict=True):
+        if len(runs) > 1:
+            entry["individual_runs"] = [asdict(run) for run in runs]
+    return entries
+
+
+def write_json(
+    path: Path,
+    results: list[RowResult],
+    verdicts: list,
+    meta: dict,
+    cells: list[list[RowResult]] | None = None,
+) -> None:
+    """``results``: one row per cell; ``cells``: the runs behind each (``--repeat``)."""
     payload = {
         "meta": meta,
-        "results": [asdict(r) for r in results],
+        "results": result_entries(results, cells),
         "ratios": [
             {"scenario": s, "row": row, "zmqpool_over_row": v}
             for (s, row), v in ratios(results).items()
@@ -1291,6 +1429,7 @@ def meta(args: argparse.Namespace, cfg: Config, wall_s: float) -> dict[str, Any]
         "argv": sys.argv[1:],
         "config": asdict(cfg),
         "quick": args.quick,
+        "repeat": args.repeat,
         "wall_s": wall_s,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -1476,6 +1615,14 @@ def names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -1525,6 +1672,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="instead of the rows: measure where a leaf's own zero-copy frame beats packing it",
     )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run the whole plan N times, interleaved (round 1 runs every row once, then "
+        "round 2...); report each row's medians and its range of steps/s (default 1)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write all results here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
     return p.parse_args(argv)
@@ -1573,22 +1728,28 @@ def main(argv: list[str] | None = None) -> int:
     table = build_scenarios(args.quick)
     scenarios = select(table, args.scenarios, args.scale, args.quick)
     start = time.perf_counter()
-    results = run_all(scenarios, set(args.rows or ALL_ROWS), cfg)
+    cells = run_all(scenarios, set(args.rows or ALL_ROWS), cfg, args.repeat)
+    # Ratios and targets judge the medians, through the same code as a single run.
+    results = [combine_runs(runs) for runs in cells]
     verdicts = judge(results)
     wall_s = time.perf_counter() - start
     print(markdown_table(results, verdicts, table))
     per_worker = (
         f"; async pools host {cfg.envs_per_worker} envs per worker process (batch32 and scale: 16)"
     )
-    for r in results:
-        if r.skipped:
-            print(f"skipped: {r.skipped}")
-    print(f"\n{len(results)} rows in {wall_s:.1f} s{per_worker}; targets are informational.")
+    all_runs = [run for runs in cells for run in runs]
+    for reason in dict.fromkeys(run.skipped for run in all_runs if run.skipped):
+        print(f"skipped: {reason}")
+    rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
+    print(
+        f"\n{len(results)} rows{rounds} in {wall_s:.1f} s{per_worker}; targets are informational."
+    )
     if args.json:
-        write_json(args.json, results, verdicts, meta(args, cfg, wall_s))
+        write_json(args.json, results, verdicts, meta(args, cfg, wall_s), cells)
     if args.plot:
         write_plot(args.plot, results)
-    return 1 if any(r.error for r in results) else 0
+    # A run that failed fails the bench, even if the other rounds of its row measured.
+    return 1 if any(run.error for run in all_runs) else 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ must, and that the JSON and PNG reports were written.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -193,3 +194,125 @@ def test_threshold_probe_measures_both_layouts(tmp_path):
     assert cells == {(n, own) for n in (1 << 10, 64 << 10) for own in (False, True)}
     assert all(r["send_us"] > 0 and r["recv_us"] > 0 for r in report["probe"])
     assert "crossover_bytes" in report
+
+
+# --------------------------------------------------------------------------- --repeat
+
+
+def a_run(bench, steps_per_s: float, **figures):
+    """A hand-made measurement of the cheap zmqpool cell."""
+    return bench.RowResult("cheap", "zmqpool", 4, 16, steps_per_s=steps_per_s, **figures)
+
+
+def test_combine_runs_takes_each_figure_s_median_and_the_spread(monkeypatch):
+    bench = load_bench(monkeypatch)
+    runs = [
+        a_run(bench, 4_190.0, steps=1_257, cpu_us_per_step=400.0, gb_per_s=None),
+        a_run(bench, 4_010.0, steps=1_203, cpu_us_per_step=380.0, gb_per_s=0.5),
+        a_run(bench, 4_100.0, steps=1_230, cpu_us_per_step=450.0, gb_per_s=0.7),
+    ]
+    r = bench.combine_runs(runs)
+    assert (r.runs, r.rounds) == (3, 3)
+    assert r.steps_per_s == 4_100.0 and r.cpu_us_per_step == 400.0
+    assert r.steps == 1_230 and isinstance(r.steps, int)
+    assert r.gb_per_s == pytest.approx(0.6)  # the median of the runs that have one
+    assert r.median_latency_us is None  # no run had one
+    assert (r.steps_per_s_min, r.steps_per_s_max) == (4_010.0, 4_190.0)
+    assert r.error is None and r.skipped is None
+    assert "median of 3 (4,010-4,190)" in bench.detail_text(r, None)
+
+
+def test_combine_runs_leaves_out_a_failed_run_and_says_so(monkeypatch):
+    bench = load_bench(monkeypatch)
+    failed = bench.RowResult("cheap", "zmqpool", 4, 16, error="RuntimeError: boom")
+    r = bench.combine_runs([a_run(bench, 3_000.0), failed, a_run(bench, 5_000.0)])
+    assert (r.runs, r.rounds) == (2, 3)
+    assert r.steps_per_s == 4_000.0 and r.error is None
+    assert (r.steps_per_s_min, r.steps_per_s_max) == (3_000.0, 5_000.0)
+    assert bench.runs_text(r) == "median of 2 of 3 (3,000-5,000)"
+    # The combined row is judged like a single run's: the cell counts as measured.
+    serial = dataclasses.replace(a_run(bench, 8_000.0), row="serial")
+    assert bench.ratios([r, serial]) == {("cheap", "serial"): 0.5}
+
+
+def test_combine_runs_keeps_the_error_when_every_run_failed(monkeypatch):
+    bench = load_bench(monkeypatch)
+    skipped = bench.RowResult("cheap", "zmqpool", 4, 16, skipped="no memory, skipped")
+    errored = bench.RowResult("cheap", "zmqpool", 4, 16, error="RuntimeError: boom")
+    r = bench.combine_runs([skipped, errored, errored])
+    assert r.error == "RuntimeError: boom" and (r.runs, r.rounds) == (0, 3)
+    assert r.steps_per_s == 0.0 and r.steps_per_s_min is None
+    assert bench.runs_text(r) == "none of 3 runs measured"
+    only_skips = bench.combine_runs([skipped, skipped])
+    assert only_skips.skipped == "no memory, skipped" and only_skips.error is None
+    assert bench.ratios([r]) == {} and bench.by_scenario([r]) == {}
+
+
+def test_combine_runs_returns_a_single_run_as_it_is(monkeypatch):
+    bench = load_bench(monkeypatch)
+    run = a_run(bench, 4_000.0, steps=1_200)
+    assert bench.combine_runs([run]) is run
+    assert bench.runs_text(run) == "" and run.steps_per_s_min is None
+
+
+def test_rounds_are_interleaved_and_memory_estimates_see_every_earlier_run(monkeypatch):
+    bench = load_bench(monkeypatch)
+    calls: list[tuple[str, str, int]] = []
+
+    def fake_run_row(sc, row, cfg, done):
+        calls.append((sc.name, row, len(done)))
+        return bench.RowResult(sc.name, row, 4, 16, steps_per_s=1.0)
+
+    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    table = bench.build_scenarios(True)
+    cfg = bench.make_config(bench.parse_args(["--quick"]))
+    cells = bench.run_all([table["cheap"], table["pixel"]], {"zmqpool", "serial"}, cfg, 3)
+    plan = [("cheap", "zmqpool"), ("cheap", "serial"), ("pixel", "zmqpool"), ("pixel", "serial")]
+    assert [(s, row) for s, row, _ in calls] == plan * 3
+    assert [done for _, _, done in calls] == list(range(12))
+    assert [(runs[0].scenario, runs[0].row) for runs in cells] == plan
+    assert all(len(runs) == 3 for runs in cells)
+
+
+def test_repeat_must_be_at_least_one(monkeypatch):
+    bench = load_bench(monkeypatch)
+    assert bench.parse_args([]).repeat == 1
+    assert bench.parse_args(["--repeat", "3"]).repeat == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
+
+
+def test_repeat_reports_medians_of_interleaved_runs(tmp_path):
+    report_path = tmp_path / "repeat.json"
+    argv = [sys.executable, str(SCRIPT), "--quick", "--repeat", "2", "--scenarios", "cheap"]
+    argv += ["--rows", "zmqpool,serial", "--json", str(report_path)]
+    proc = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[round ")]
+    assert [line[:18] for line in progress] == [
+        "[round 1/2] [ 1/2]",
+        "[round 1/2] [ 2/2]",
+        "[round 2/2] [ 1/2]",
+        "[round 2/2] [ 2/2]",
+    ]
+    report = json.loads(report_path.read_text())
+    assert report["meta"]["repeat"] == 2
+    cells = {(r["scenario"], r["row"]): r for r in report["results"]}
+    assert set(cells) == {("cheap", "zmqpool"), ("cheap", "serial")}
+    for r in cells.values():
+        assert (r["runs"], r["rounds"]) == (2, 2), r
+        rates = [run["steps_per_s"] for run in r["individual_runs"]]
+        assert len(rates) == 2 and all(rate > 0 for rate in rates), r
+        assert (r["steps_per_s_min"], r["steps_per_s_max"]) == (min(rates), max(rates))
+        assert min(rates) <= r["steps_per_s"] <= max(rates)
+        assert r["steps_per_s"] == pytest.approx(sum(rates) / 2)
+        assert f"median of 2 ({min(rates):,.0f}-{max(rates):,.0f})" in proc.stdout
+    ratios = {(x["scenario"], x["row"]): x["zmqpool_over_row"] for x in report["ratios"]}
+    median_ratio = (
+        cells[("cheap", "zmqpool")]["steps_per_s"] / cells[("cheap", "serial")]["steps_per_s"]
+    )
+    assert ratios == {("cheap", "serial"): pytest.approx(median_ratio)}
+    serial_target = [t for t in report["targets"] if t["row"] == "serial"]
+    assert [t["value"] for t in serial_target] == [pytest.approx(median_ratio)]
