@@ -38,6 +38,8 @@ trainer runs: send an action to every env, then repeatedly
 ``async_step_recv(min_get=1)`` and send new actions to the envs that came
 back. ``parallelenv`` is torchrl's ``ParallelEnv`` stepped synchronously,
 ``zmqpool-sync`` zmqpool's synchronous ``pool.step(td)`` the same way,
+``zmqpool-inline`` (batch32) zmqpool without env threads (``PoolConfig(env_threads=False)``:
+each worker steps its envs in turn and answers a call's commands in one message),
 ``serial`` the same envs stepped one after another in this process,
 ``gym-async`` gymnasium's ``AsyncVectorEnv`` (``step_async``/``step_wait``) of
 the numpy twin :class:`~zmqpool.benchenvs.CountingGymEnv`, ``gym-serial`` that
@@ -131,10 +133,11 @@ ALL_ROWS = (
     "bare-zmq",
     "zmqpool-tcp",
     "zmqpool-sync",
+    "zmqpool-inline",
 )
 POOL_ROWS = ALL_ROWS[:5]
 #: Rows that run :class:`AsyncLoop` (or the cartpole loop): their ticks are recvs.
-ASYNC_ROWS = frozenset({"zmqpool", "torchrl-queue", "torchrl-shm", "zmqpool-tcp"})
+ASYNC_ROWS = frozenset({"zmqpool", "torchrl-queue", "torchrl-shm", "zmqpool-tcp", "zmqpool-inline"})
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -221,7 +224,7 @@ def build_scenarios(quick: bool) -> dict[str, Scenario]:
         Scenario(
             "batch32",
             (4,),
-            ("zmqpool", "torchrl-shm"),
+            ("zmqpool", "torchrl-shm", "zmqpool-inline"),
             num_envs=64,
             min_get=32,
             envs_per_worker=16,
@@ -264,7 +267,7 @@ QUICK_ROWS: dict[str, tuple[str, ...]] = {
     "1mib": ("zmqpool", "bare-zmq"),
     "latency": ("zmqpool", "serial"),
     "roundtrip": ("zmqpool", "bare-zmq"),
-    "batch32": ("zmqpool", "serial"),
+    "batch32": ("zmqpool", "zmqpool-inline"),
     "cartpole": ("zmqpool", "gym-async"),
 }
 #: ``--scenarios scale`` stands for the scale scenarios (with ``--quick``: 16 envs only).
@@ -451,6 +454,19 @@ def zmqpool_tcp_row(
     """
     num_envs = sc.envs(cfg)
     make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg), **tcp_kwargs)
+    return async_pool_row(make, num_envs, cfg, sc.min_get)
+
+
+def zmqpool_inline_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[Tick]:
+    """zmqpool with ``PoolConfig(env_threads=False)``: a worker steps its envs in its main thread.
+
+    A worker's commands of one call then run one after another and their
+    replies go back as one message; with env threads (the default) each reply
+    goes when its env is done.
+    """
+    config = importlib.import_module("zmqpool").PoolConfig(env_threads=False)
+    num_envs = sc.envs(cfg)
+    make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg), config=config)
     return async_pool_row(make, num_envs, cfg, sc.min_get)
 
 
@@ -730,6 +746,7 @@ ROWS: dict[str, RowFn] = {
     "bare-zmq": bare_zmq_row,
     "zmqpool-tcp": partial(zmqpool_tcp_row, tcp_kwargs={"local_transport": "tcp"}),
     "zmqpool-sync": zmqpool_sync_row,
+    "zmqpool-inline": zmqpool_inline_row,
 }
 
 

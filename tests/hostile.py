@@ -52,6 +52,7 @@ Every wait here has a deadline.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -428,6 +429,12 @@ class Peer:
             return None
         return self.sock.recv_multipart()[0]
 
+    def message(self, timeout_s: float) -> list[bytes] | None:
+        """The next message's frames within ``timeout_s``, or None."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return self.sock.recv_multipart()
+
     def replies(self) -> list[bytes]:
         """Every message waiting now (first frames)."""
         out = []
@@ -482,6 +489,10 @@ class ScriptedWorker:
         self.envs: list[int] = []
         self.encoder: Any = None
         self.refusals: list[str] = []
+        #: The commands of a BATCH the pool sent, not yet returned by :meth:`command`.
+        self.queued: collections.deque[dict[str, Any]] = collections.deque()
+        #: The envs of each BATCH received, in order.
+        self.batches: list[list[int]] = []
 
     def register(
         self,
@@ -549,18 +560,47 @@ class ScriptedWorker:
         return False
 
     def command(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next command the pool sends (``command``, ``env``, ``seq``, ``body``), or None."""
+        """The next command the pool sends (``command``, ``env``, ``seq``, ``body``), or None.
+
+        A BATCH is split into its commands (recorded in :attr:`batches`), returned one by one.
+        """
         deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            frame = self.dealer.reply(remaining)
-            if frame is None:
+        while not self.queued and (remaining := deadline - time.monotonic()) > 0:
+            frames = self.dealer.message(remaining)
+            if frames is None:
                 return None
-            reply = self.hello.decode(frame)
+            reply = self.hello.decode(frames[0])
             if reply["command"] in ("WELCOME", "REFUSE", "PING"):
                 continue
-            fields = reply["fields"]
-            return {**reply, "env": fields[2], "seq": fields[3]}
-        return None
+            inner = self._split(reply, frames) if reply["command"] == "BATCH" else [reply]
+            if reply["command"] == "BATCH":
+                self.batches.append([c["fields"][2] for c in inner])
+            self.queued.extend({**c, "env": c["fields"][2], "seq": c["fields"][3]} for c in inner)
+        return self.queued.popleft() if self.queued else None
+
+    def _split(self, batch: dict[str, Any], frames: list[bytes]) -> list[dict[str, Any]]:
+        """A BATCH's commands (their headers decoded), read as the wire docs say."""
+        sizes, joined, at = batch["body"]["len"], frames[1], 0
+        pieces = []
+        for size in sizes:
+            pieces.append(joined[at : at + size])
+            at += size
+        commands, start = [], 0
+        for count in batch["body"]["n"]:
+            commands.append(self.hello.decode(pieces[start]))
+            start += count
+        return commands
+
+    def batch_frames(self, messages: list[list[Any]], env: int, token: bytes | None = None):
+        """``messages`` (each a header and its frames) as one BATCH from this worker.
+
+        ``env``: the batch header's env (one this worker hosts, for an honest batch).
+        """
+        flat = [bytes(memoryview(f).cast("B")) for frames in messages for f in frames]
+        body = {"n": [len(frames) for frames in messages], "len": [len(f) for f in flat]}
+        token = self.token if token is None else token
+        fields = [self.hello.version, self.hello.commands["BATCH"], env, 0, token, [], body]
+        return [msgpack.packb(fields, use_bin_type=True), b"".join(flat)]
 
     def result_header(self, env: int, seq: int, layouts=(), body=None, token=None) -> bytes:
         """A RESULT header with this worker's token (or ``token``)."""
@@ -574,12 +614,20 @@ class ScriptedWorker:
 
     def answer(self, command: dict[str, Any], td: Any) -> None:
         """Answer ``command`` with ``td``, encoded by the zmqpool this process imported."""
+        self.send_result(self.answer_frames(command, td))
+
+    def answer_frames(self, command: dict[str, Any], td: Any, token: bytes | None = None):
+        """The frames that answer ``command`` with ``td`` (with this worker's token, or ``token``).
+
+        Encoded in order: a layout is announced by the first message that uses it.
+        """
         from zmqpool.wire import Command, Header, encode_message
 
         if self.encoder is None:
             self.encoder = _encoder()
-        header = Header(Command.RESULT, command["env"], command["seq"], self.token)
-        self.send_result(encode_message(header, [self.encoder.encode(td)]))
+        token = self.token if token is None else token
+        header = Header(Command.RESULT, command["env"], command["seq"], token)
+        return encode_message(header, [self.encoder.encode(td)])
 
     def heartbeat(self, identity: bytes | None = None) -> None:
         """One HEARTBEAT from the ``<identity>!hb`` DEALER (this worker's own by default)."""

@@ -5,7 +5,8 @@ ROUTER and sends thousands of bad messages (junk, truncated and mistyped
 headers, other protocol versions, unknown commands, wrong frame counts,
 layouts claiming 10 GB, env indices out of range, stale and future sequence
 numbers, results forged with a wrong or empty token for requests in flight,
-REGISTER garbage), interleaved with the trainer's real async steps (random
+REGISTER garbage, batches that are malformed, forged, nested or carry
+another worker's results), interleaved with the trainer's real async steps (random
 subsets, ``min_get=1``). The pool must not crash, must hand the trainer only
 results from the registered workers (each result names its env, its step
 count and the action it was sent: a forged one shows), must count every drop,
@@ -44,7 +45,14 @@ from zmqpool.codec import Decoder, Encoder
 from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
 from zmqpool.specs import spec_to_data
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
+from zmqpool.wire import (
+    PROTOCOL_VERSION,
+    Command,
+    Header,
+    batch_messages,
+    encode_message,
+    split_batch,
+)
 
 NUM_ENVS = 4
 STEPS = 600  # real env steps
@@ -246,6 +254,38 @@ class HostilePeer:
     def big_junk_header(self) -> list[Any]:
         return [bytes(64 << 20 if self.rng.random() < 0.05 else 2 << 20)]
 
+    def _batch(self, env: int, token: bytes, messages: list[list[Any]], sizes=None) -> list[Any]:
+        flat = [bytes(memoryview(f).cast("B")) for m in messages for f in m]
+        body = {"n": [len(m) for m in messages], "len": sizes or [len(f) for f in flat]}
+        return [Header(Command.BATCH, env, 0, token, body=body).encode(), b"".join(flat)]
+
+    def malformed_batch(self) -> list[Any]:
+        env = self._env()
+        inner = self._forged(Header(Command.RESULT, env, self._awaited_seq(env), b"x"), env)
+        sizes = [len(memoryview(f).cast("B")) for f in inner]
+        sizes[-1] += self.rng.choice([-1, 1, 1000])  # the sizes do not add up to the frame
+        return self._batch(env, self._token(env), [inner], sizes)
+
+    def batch_wrong_token(self) -> list[Any]:
+        env = self._env()
+        inner = self._forged(Header(Command.RESULT, env, self._awaited_seq(env), b""), env)
+        return self._batch(env, self.rng.choice([b"", os.urandom(16)]), [inner])
+
+    def batch_for_another_worker(self) -> list[Any]:
+        # A worker's batch (its token, its env) carrying a result for the other worker's
+        # env, with that env's real token and awaited seq: only the batch's link stops it.
+        env = self._env()
+        other = (env + 2) % NUM_ENVS  # hosted by the other worker (envs 0, 1 | 2, 3)
+        inner = self._forged(
+            Header(Command.RESULT, other, self._awaited_seq(other), self._token(other)), other
+        )
+        return self._batch(env, self._token(env), [inner])
+
+    def batch_inside_batch(self) -> list[Any]:
+        env = self._env()
+        nested = self._batch(env, self._token(env), [[Header(Command.HEARTBEAT).encode()]])
+        return self._batch(env, self._token(env), [nested])
+
     RESULTS = {
         "junk_bytes": junk_bytes,
         "truncated_header": truncated_header,
@@ -262,6 +302,10 @@ class HostilePeer:
         "huge_layout": huge_layout,
         "big_junk_frame": big_junk_frame,
         "big_junk_header": big_junk_header,
+        "malformed_batch": malformed_batch,
+        "batch_wrong_token": batch_wrong_token,
+        "batch_for_another_worker": batch_for_another_worker,
+        "batch_inside_batch": batch_inside_batch,
     }
 
     # -------------------------------------------------------- on the ROUTER
@@ -538,6 +582,107 @@ def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
     assert worker.host.envs[0] is env
     assert step(worker, encoder, 5)["observation"][:2].tolist() == [7.0, 4.0]
     assert not worker.handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
+
+
+def two_env_worker(tmp_path, env_threads: bool) -> Worker:
+    host = EnvHost({0: CountingEnv(env_id=7), 1: CountingEnv(env_id=8)})
+    w = Worker(f"ipc://{tmp_path}/nobody", b"w0", host, env_threads=env_threads)
+    w.push = FakePush()
+    w.token = b"t" * 16
+    return w
+
+
+def batch_of_steps(encoder: Encoder, seqs: dict[int, int], action: float = 0.25) -> list[Any]:
+    td = TensorDict({"action": torch.tensor([action])}, [])
+    messages = [command(Header(Command.STEP, env, seq), td, encoder) for env, seq in seqs.items()]
+    [batch] = batch_messages(messages, -1)
+    return batch
+
+
+def replies_in(message: list[bytes], max_messages: int = 2) -> list[list[Any]]:
+    """A BATCH reply's messages (each its frames); a lone reply as a batch of one."""
+    header = Header.decode(message[0])
+    if header.command != Command.BATCH:
+        return [message]
+    return split_batch(header, message[1:], max_messages)
+
+
+def test_a_batch_run_inline_is_answered_by_one_batch(tmp_path):
+    worker, decoder, encoder = two_env_worker(tmp_path, env_threads=False), Decoder(), Encoder()
+    try:
+        assert worker.handle(batch_of_steps(encoder, {0: 1, 1: 1}))
+        [message] = worker.push.sent  # one message for both replies
+        header = Header.decode(message[0])
+        assert header.command == Command.BATCH and header.token == worker.token
+        assert header.env in worker.host.envs  # names the worker to the pool
+        observed = {}
+        for reply in replies_in(message):
+            inner = Header.decode(reply[0])
+            assert (inner.command, inner.seq, inner.token) == (Command.RESULT, 1, worker.token)
+            observed[inner.env] = decoder.decode(inner, reply[1:])[0].to_tensordict()
+        assert {e: td["observation"][:2].tolist() for e, td in observed.items()} == {
+            0: [7.0, 1.0],
+            1: [8.0, 1.0],
+        }
+    finally:
+        worker.close()
+
+
+def test_with_env_threads_each_reply_goes_when_it_is_ready(tmp_path):
+    worker, encoder = two_env_worker(tmp_path, env_threads=True), Encoder()
+    try:
+        assert worker.handle(batch_of_steps(encoder, {0: 1, 1: 1}))
+        deadline = time.monotonic() + 10.0
+        while len(worker.push.sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        headers = [Header.decode(m[0]) for m in worker.push.sent]
+        assert sorted((h.command, h.env) for h in headers) == [
+            (Command.RESULT, 0),
+            (Command.RESULT, 1),
+        ]
+    finally:
+        worker.close()
+
+
+def test_malformed_batches_are_dropped_and_the_envs_live_on(tmp_path):
+    worker, encoder = two_env_worker(tmp_path, env_threads=False), Encoder()
+    try:
+        good = batch_of_steps(encoder, {0: 1, 1: 1})  # announces the action's layout
+        assert worker.handle(good)
+        worker.push.sent.clear()
+        header = Header.decode(good[0])
+        counts, sizes = header.body["n"], header.body["len"]
+        dropped = [
+            [Header(Command.BATCH, body={"n": counts, "len": [*sizes[:-1], 1]}).encode(), good[1]],
+            [good[0], good[1] + b"x"],
+            [good[0]],
+            # three messages for a worker of two envs
+            [Header(Command.BATCH, body={"n": [1, 1, 1], "len": [0, 0, 0]}).encode(), b""],
+        ]
+        for frames in dropped:
+            assert worker.handle(frames)
+        assert worker.dropped == len(dropped) and not worker.push.sent
+        # A batch inside a batch is dropped; the batch's other command is answered.
+        step1 = command(
+            Header(Command.STEP, 1, 2), TensorDict({"action": torch.ones(1)}, []), encoder
+        )
+        [nested] = batch_messages([good[:1], step1], -1)
+        assert worker.handle(nested)
+        assert worker.dropped == len(dropped) + 1
+        [only] = worker.push.sent
+        assert [(h.env, h.seq) for h in map(Header.decode, [m[0] for m in replies_in(only)])] == [
+            (1, 2)
+        ]
+        worker.push.sent.clear()
+        # CLOSE inside a batch closes, once what came before it is answered.
+        step0 = command(
+            Header(Command.STEP, 0, 3), TensorDict({"action": torch.ones(1)}, []), encoder
+        )
+        [closing] = batch_messages([step0, [Header(Command.CLOSE).encode()]], -1)
+        assert not worker.handle(closing)
+        assert [Header.decode(m[0]).seq for m in worker.push.sent] == [3]
+    finally:
+        worker.close()
 
 
 # ---------------------------------------------------------------- identity takeover

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import hostile
+import msgpack
 import pytest
 import torch
 import zmq
@@ -550,6 +551,65 @@ def bloated_nontensor(w: ScriptedWorker, command: dict[str, Any], items: int) ->
     frames[0] = msgpack.packb(fields, use_bin_type=True)
     w.encoder = None  # the layout it announced is not the one the pool saw
     return frames
+
+
+# ---------------------------------------------------------------- batches
+
+
+def obs_head(td: Any) -> list[float]:
+    return td["observation"][:2].tolist()
+
+
+def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
+    tmp_path, key_dir, context
+):
+    """One message per worker each way, on the wire, and what a worker's bad batches cost.
+
+    A scripted worker hosting both remote envs gets one BATCH for a step of
+    both (not two messages) and answers with one BATCH: both results arrive.
+    Then, for one step of both: a batch whose sizes do not add up, one with
+    another token, one nesting a batch, and one with a good result for the
+    first env beside a truncated header for the second. Only the good one
+    counts: the first env's result is the honest one, the second env's is the
+    one sent alone afterwards (a forged one would show its observation, 666).
+    """
+    port = free_port_base(HOST)
+    with victim_on(tmp_path, key_dir, port, remote_envs=2) as victim:
+        w = worker(context, victim, port, key_dir, 0, b"batcher")
+        a, b = welcomed(w, victim, w.hello.register_body([w.hello.spec, w.hello.spec]))
+        victim.wait("constructed", timeout_s=30)
+
+        victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
+        commands = [w.command(10), w.command(10)]
+        assert None not in commands, "the pool's commands did not arrive"
+        assert w.batches == [[a, b]], f"not one message for both envs: {w.batches}"
+        honest = [w.answer_frames(c, step_next(env_id=c["env"])) for c in commands]
+        w.send_result(w.batch_frames(honest, env=a))
+        victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
+        first = victim.wait("collected", timeout_s=30)
+        assert sorted(first["results"]) == sorted([str(a), str(b)]), first
+        assert first["results"][str(b)]["head"] == [float(b), 1.0], first
+
+        victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
+        commands = [w.command(10), w.command(10)]
+        assert None not in commands and w.batches[-1] == [a, b]
+        forged = [w.answer_frames(c, step_next(env_id=666)) for c in commands]
+        joined = w.batch_frames(forged, env=a)
+        body = msgpack.unpackb(joined[0], raw=False)[6]
+        bad_sizes = msgpack.unpackb(joined[0], raw=False)
+        bad_sizes[6] = {**body, "len": [*body["len"][:-1], body["len"][-1] + 1]}
+        w.send_result([msgpack.packb(bad_sizes, use_bin_type=True), joined[1]])
+        w.send_result(w.batch_frames(forged, env=a, token=b"\0" * 16))
+        w.send_result(w.batch_frames([w.batch_frames(forged, env=a)], env=a))
+        good_a = w.answer_frames(commands[0], step_next(env_id=a))
+        truncated_b = [forged[1][0][:5], *forged[1][1:]]
+        w.send_result(w.batch_frames([good_a, truncated_b], env=a))
+        w.answer(commands[1], step_next(env_id=b))
+        victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
+        second = victim.wait("collected", timeout_s=30)
+        w.close()
+    heads = {env: r["head"] for env, r in second["results"].items()}
+    assert heads == {str(a): [float(a), 1.0], str(b): [float(b), 1.0]}, second
 
 
 # ---------------------------------------------------------------- 10: the reference spec

@@ -10,7 +10,15 @@ from tensordict import TensorDict
 
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
 from zmqpool.errors import ProtocolError, VersionMismatchError
-from zmqpool.wire import PROTOCOL_VERSION, Command, Header, encode_message
+from zmqpool.limits import MAX_BATCH_BYTES, MAX_BATCH_FRAMES, MAX_BATCHED_MESSAGE_BYTES
+from zmqpool.wire import (
+    PROTOCOL_VERSION,
+    Command,
+    Header,
+    batch_messages,
+    encode_message,
+    split_batch,
+)
 
 DTYPES = [
     torch.bool,
@@ -196,3 +204,76 @@ def test_frames_must_match_the_layout():
         Decoder().decode(header, [memoryview(b"\0" * 3)])
     with pytest.raises(ProtocolError, match="unknown layout"):
         Decoder().decode(Header(Command.RESULT, layouts=(5,)), [])
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _message(env: int, payload: bytes = b"") -> list[bytes]:
+    frames = [Header(Command.RESULT, env, env + 1, b"t" * 16).encode()]
+    return [*frames, payload] if payload else frames
+
+
+def _split(frames: list[bytes], max_messages: int = 64) -> list[list[bytes]]:
+    header = Header.decode(frames[0])
+    assert header.command == Command.BATCH
+    return [[bytes(f) for f in m] for m in split_batch(header, frames[1:], max_messages)]
+
+
+def test_small_messages_travel_as_one_batch_in_order():
+    messages = [_message(env, bytes([env]) * (env * 7)) for env in range(5)]
+    [batch] = batch_messages(messages, env=3, token=b"t" * 16)
+    header = Header.decode(batch[0])
+    assert (header.env, header.token, header.layouts) == (3, b"t" * 16, ())
+    assert len(batch) == 2  # the header, and every message's frames joined
+    assert _split(batch) == messages
+
+
+def test_a_single_or_large_message_goes_as_it_is_in_its_place():
+    big = _message(1, bytes(MAX_BATCHED_MESSAGE_BYTES + 1))
+    assert batch_messages([_message(0)], env=0) == [_message(0)]
+    out = batch_messages([_message(0), _message(2), big, _message(3), _message(4)], env=0)
+    assert [Header.decode(m[0]).command for m in out] == [
+        Command.BATCH,
+        Command.RESULT,
+        Command.BATCH,
+    ]
+    assert _split(out[0]) == [_message(0), _message(2)]
+    assert out[1] is big
+    assert _split(out[2]) == [_message(3), _message(4)]
+
+
+def test_batches_stay_under_their_size_and_frame_limits():
+    payload = bytes(MAX_BATCHED_MESSAGE_BYTES - 200)
+    messages = [_message(i, payload) for i in range(3 * MAX_BATCH_BYTES // len(payload))]
+    out = batch_messages(messages, env=0)
+    assert all(len(m) == 2 and len(m[1]) <= MAX_BATCH_BYTES for m in out)
+    assert [m for b in out for m in _split(b, len(messages))] == messages
+    many = [[Header(Command.RESULT, 0, i).encode()] for i in range(MAX_BATCH_FRAMES + 10)]
+    out = batch_messages(many, env=0)
+    assert len(out) == 2 and len(Header.decode(out[0][0]).body["len"]) <= MAX_BATCH_FRAMES
+
+
+@pytest.mark.parametrize(
+    "body, frames, max_messages",
+    [
+        ({"n": [1], "len": [3]}, [b"abcd"], 4),  # sizes add up to less than the frame
+        ({"n": [1], "len": [5]}, [b"abcd"], 4),  # ... or more
+        ({"n": [2], "len": [4]}, [b"abcd"], 4),  # more frames counted than sized
+        ({"n": [1, 1], "len": [2, 2]}, [b"abcd"], 1),  # more messages than the peer may send
+        ({"n": [], "len": []}, [b""], 4),  # no message
+        ({"n": [0, 1], "len": [4]}, [b"abcd"], 4),  # a message of no frames
+        ({"n": [True], "len": [4]}, [b"abcd"], 4),  # a boolean is not a count
+        ({"n": [1], "len": [True, 3]}, [b"abcd"], 4),
+        ({"n": [1], "len": [-1]}, [b""], 4),
+        ({"n": [1], "len": [4]}, [b"ab", b"cd"], 4),  # one joined frame, not two
+        ({"n": [1], "len": [4]}, [], 4),
+        ({"n": "1", "len": [4]}, [b"abcd"], 4),
+        ({"len": [4]}, [b"abcd"], 4),
+        (None, [b"abcd"], 4),
+        ({"n": [1] * (MAX_BATCH_FRAMES + 1), "len": [0] * (MAX_BATCH_FRAMES + 1)}, [b""], 10**6),
+    ],
+)
+def test_malformed_batches_raise_protocol_error(body, frames, max_messages):
+    with pytest.raises(ProtocolError):
+        split_batch(Header(Command.BATCH, -1, 0, body=body), frames, max_messages)

@@ -2,8 +2,12 @@
 
 The worker's DEALER connects to the pool's ROUTER (registration, commands,
 heartbeats); its PUSH connects to the pool's results PULL. One command in,
-one reply out, in order, for each env. The loop only moves frames: what a
-command does to an env is :mod:`workers.hosting`'s business.
+one reply out, in order, for each env. A BATCH from the pool (the commands of
+one call for this worker's envs) is taken apart and each command handled in
+turn; when the envs run in this thread (no env threads, or one env), their
+replies go back as a BATCH too, once the last has run (wire: batches). The
+loop only moves frames: what a command does to an env is
+:mod:`workers.hosting`'s business.
 
 A remote worker also listens to the pool's heartbeats (a SUB socket, in the
 heartbeat thread). When they stop, or come from a new pool (another epoch: a
@@ -82,7 +86,7 @@ from zmqpool.protocol import (
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
 from zmqpool.throttle import log_throttled
-from zmqpool.wire import Command, Header, encode_message
+from zmqpool.wire import Command, Header, batch_messages, encode_message, split_batch
 
 log = logging.getLogger("workers")
 
@@ -160,6 +164,8 @@ class Worker:
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
         self._send_lock = threading.Lock()
+        #: The replies of a batch run inline, kept until it ends (None: each sent at once).
+        self._outbox: list[list[Any]] | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -384,23 +390,73 @@ class Worker:
 
         A command is run on its env and answered on the PUSH (an error reply
         for a command that is malformed or that the env raised on); a frame
-        that is not even a header is counted in :attr:`dropped`. Driving a
-        worker message by message, without the DEALER, is what this is for
-        (``tests/test_fuzz_live.py`` feeds it hostile frames).
+        that is not even a header is counted in :attr:`dropped`, and so is a
+        malformed batch. A batch's commands are handled in order, each as if it
+        had come alone. Driving a worker message by message, without the
+        DEALER, is what this is for (``tests/test_fuzz_live.py`` feeds it
+        hostile frames).
         """
+        header = self._command_header(frames[0])
+        if header is None:
+            return True
+        if header.command == Command.BATCH:
+            return self._handle_batch(header, frames[1:])
+        return self._handle_command(header, frames)
+
+    def _command_header(self, frame: Any) -> Header | None:
         try:
-            header = Header.decode(frames[0])
+            return Header.decode(frame)
         except ProtocolError as err:
             self.dropped += 1
             log.warning("dropped a malformed command: %s", err)
-            return True
+            return None
+
+    def _handle_command(self, header: Header, frames: list[Any]) -> bool:
         if header.command == Command.CLOSE:
             return False
-        if header.command not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
+        if header.command == Command.BATCH:
+            self.dropped += 1
+            log.warning("dropped a batch inside a batch")
+        elif header.command not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
             self._execute(header, frames[1:])
         return True
 
-    def _execute(self, header: Header, frames: list[bytes]) -> None:
+    def _handle_batch(self, header: Header, frames: list[Any]) -> bool:
+        """A batch of commands: each handled in order; run inline, their replies go as a batch."""
+        try:
+            messages = split_batch(header, frames, max(1, len(self.host.envs)))
+        except ProtocolError as err:
+            self.dropped += 1
+            log.warning("dropped a malformed batch: %s", err)
+            return True
+        # Only the main thread replies when envs run inline: nothing else can
+        # reach the outbox while it is open.
+        self._outbox = [] if self._runs_inline() else None
+        try:
+            for message in messages:
+                inner = self._command_header(message[0])
+                if inner is not None and not self._handle_command(inner, message):
+                    return False
+            return True
+        finally:
+            self._flush_outbox()
+
+    def _runs_inline(self) -> bool:
+        """Whether commands run in this (the main) thread rather than in env threads."""
+        return self.runners is None or len(self.host.envs) < 2
+
+    def _flush_outbox(self) -> None:
+        """Send the replies kept during a batch: in order, small ones as batches themselves."""
+        outbox, self._outbox = self._outbox, None
+        if not outbox:
+            return
+        # The batch's env names this worker to the pool: one it hosts.
+        env = next(iter(self.host.envs), -1)
+        with self._send_lock:
+            for frames in batch_messages(outbox, env, self.token):
+                self._send_unlocked(frames)
+
+    def _execute(self, header: Header, frames: list[Any]) -> None:
         try:
             # Decoded here, in order: layouts are announced on this connection.
             # bytearray: env code may write into its input; zmq's buffers are read-only.
@@ -410,7 +466,7 @@ class Worker:
             self._send(self._error_reply(header, err))
             return
         env = self.host.envs.get(header.env)
-        if self.runners is None or env is None or len(self.host.envs) < 2:
+        if self.runners is None or env is None or self._runs_inline():
             self._run(header, td)
         else:
             self.runners.runner_for(env, header.env).submit(lambda: self._run(header, td))
@@ -435,6 +491,9 @@ class Worker:
             self._send_unlocked(reply)
 
     def _send_unlocked(self, reply: list[Any]) -> None:
+        if self._outbox is not None:  # a batch runs inline: its replies go when it ends
+            self._outbox.append(reply)
+            return
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
             return
         send_frames(self.push, reply)

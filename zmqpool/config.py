@@ -63,7 +63,8 @@ class PoolConfig:
     fork_server: bool = True
     #: with ``envs_per_worker > 1``: step each of a worker's envs in its own
     #: thread (as torchrl does), so an env that waits does not hold up the
-    #: others; False steps them one after another (cheaper for cheap envs).
+    #: others; False steps them one after another (cheaper for cheap envs), and
+    #: a worker then answers the commands of one call in one message.
     env_threads: bool = True
     #: refuse a step input whose actions (or state entries) have another dtype
     #: or shape than the spec, at the send. Off by default, as in torchrl: the

@@ -20,9 +20,9 @@ from zmqpool.codec import Decoder
 from zmqpool.errors import EnvError, ProtocolError
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
-from zmqpool.roster import Roster
+from zmqpool.roster import EnvRecord, Roster
 from zmqpool.state import Ledger, Pending, Reply
-from zmqpool.wire import Command, Header
+from zmqpool.wire import Command, Header, split_batch
 
 log = logging.getLogger("zmqpool")
 
@@ -40,26 +40,77 @@ class Intake:
         self.on_env_error: EnvErrorHook | None = None
 
     def on_result(self, frames: list[zmq.Frame], remote: bool) -> None:
-        try:
-            header = Header.decode(frames[0].buffer)
-        except ProtocolError as err:
-            self.ledger.drop(f"malformed result header: {type(err).__name__}")
+        header = self._header(frames[0].buffer)
+        if header is None:
             return
         command = header.command
-        if command is not Command.RESULT and command is not Command.ERROR:
+        if command is Command.RESULT or command is Command.ERROR:
+            record = self._sender(header, remote, frames[0])
+            if record is not None:
+                self._on_reply(header, frames, record)
+        elif command is Command.BATCH:
+            self._on_batch(header, frames, remote)
+        else:
             self.ledger.drop("not a result on the results socket")
-            return
+
+    def _header(self, data: Any) -> Header | None:
+        try:
+            return Header.decode(data)
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed result header: {type(err).__name__}")
+            return None
+
+    def _sender(self, header: Header, remote: bool, first: zmq.Frame | None) -> EnvRecord | None:
+        """The record of the env ``header`` is about, if its worker sent it; else None (dropped).
+
+        ``first``: the message's first frame, whose CURVE key is the sender's
+        (None inside a batch, whose own first frame was checked).
+        """
         if not 0 <= header.env < len(self.roster.envs):
             self.ledger.drop("env index out of range")
-            return
+            return None
         record = self.roster.envs[header.env]
         link = record.link
         if link is None or header.token != link.token or link.remote != remote:
             self.ledger.drop("wrong token for env")
-            return
-        if remote and peer_key(frames[0]) != link.key:
+            return None
+        if remote and first is not None and peer_key(first) != link.key:
             self.ledger.drop("a result from another key than its worker's")
+            return None
+        return record
+
+    def _on_batch(self, header: Header, frames: list[zmq.Frame], remote: bool) -> None:
+        """A worker's batch of replies: each checked and taken as if it had come alone."""
+        record = self._sender(header, remote, frames[0])
+        if record is None:
             return
+        link = record.link
+        assert link is not None
+        try:
+            messages = split_batch(header, frames[1:], len(link.envs))
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed batch: {err}")
+            return
+        for message in messages:
+            inner = self._header(message[0])
+            if inner is None:
+                continue
+            if inner.command is not Command.RESULT and inner.command is not Command.ERROR:
+                self.ledger.drop("a batch may carry results and errors only")
+                continue
+            record = self._sender(inner, remote, None)
+            if record is None:
+                continue
+            if record.link is not link:
+                self.ledger.drop("a batched result for another worker's env")
+                continue
+            self._on_reply(inner, message, record)
+
+    def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
+        """A result or error from the worker of ``record``: the answer to its oldest request."""
+        command = header.command
+        link = record.link
+        assert link is not None
         now = time.monotonic()
         pending = self.ledger.match(header.env, header.seq, now)
         if pending is None:
@@ -81,7 +132,7 @@ class Intake:
 
     @staticmethod
     def _reply(
-        header: Header, pending: Pending, frames: list[zmq.Frame], decoder: Decoder, check: Any
+        header: Header, pending: Pending, frames: list[Any], decoder: Decoder, check: Any
     ) -> Reply:
         """The reply to ``pending``: its parts decoded and held to the env's specs (``check``)."""
         try:

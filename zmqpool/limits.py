@@ -33,6 +33,16 @@ MAX_CONTROL_BYTES = MAX_HEADER_BYTES - 64
 MAX_TOKEN_BYTES = 64
 #: The most tensordict parts one message carries (a reply has one or two).
 MAX_PARTS = 4
+#: A message joins a batch (:data:`~zmqpool.wire.Command.BATCH`) only if its
+#: frames add up to at most this: batching saves a per-message cost, which
+#: only small messages notice; larger ones keep their own frames (zero-copy).
+MAX_BATCHED_MESSAGE_BYTES = 16 << 10
+#: A batch's joined frame is at most this: half the smallest ``MAXMSGSIZE`` a
+#: message socket gets (:data:`MAX_REMOTE_CONTROL_BYTES`, a remote results
+#: PULL's floor), so a batch never costs a peer its connection.
+MAX_BATCH_BYTES = 128 << 10
+#: The most frames one batch may list (its messages' headers and tensor frames).
+MAX_BATCH_FRAMES = 4096
 #: Layout ids are below this (a decoder holds far fewer: its ``max_layouts``).
 MAX_LAYOUT_ID = 1 << 31
 

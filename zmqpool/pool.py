@@ -318,8 +318,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # The payload is the input too: a result is rebuilt from what was sent.
         # Every payload is built (and refused if it cannot cross the wire) before any is sent.
         payloads = self._assembler.payloads(tensordict)
-        for env, payload in zip(env_idx, payloads, strict=True):
-            self._runtime.send(env, command, payload, per_env)
+        self._runtime.send_all(env_idx, command, payloads, per_env)
         if kind != Kind.RESET:
             for env in env_idx:
                 self._batch_stats.record_action(env)

@@ -143,6 +143,9 @@ class Roster:
         self._workers = {record.identity: record for record in self.local}
         self._by_pidfd: dict[int, WorkerRecord] = {}
         self._reserved: dict[int, str] = {}  # remote slot -> the only key that may take it
+        #: The most envs any worker has registered for (never lowered): above
+        #: one, commands to a worker's envs can share a message.
+        self.most_envs_per_worker = 0
 
     # ------------------------------------------------------------ lookups
 
@@ -213,6 +216,7 @@ class Roster:
         now rebuilt (their requests in flight are sent again, steps as resets).
         """
         record.phase, record.link = WorkerPhase.LIVE, link
+        self.most_envs_per_worker = max(self.most_envs_per_worker, len(record.envs))
         rejoin = False
         for index, (data, spec) in zip(record.envs, specs, strict=True):
             env = self.envs[index]

@@ -112,6 +112,25 @@ malformed message). Only tensorclass values change: from a newer peer to an
 older one they used to arrive as plain nested tensordicts, and are now refused
 (upgrade both sides).
 
+Batches. Several small messages to or from one worker may travel as one
+``BATCH`` message (:func:`batch_messages`, :func:`split_batch`): frame 0 is a
+header with command ``BATCH``, ``env`` -1 from the pool or one of its envs from
+a worker, the worker's token on results, no layouts, and the body ``{"n":
+[frames of each message], "len": [bytes of each frame]}``; frame 1 is every
+frame of those messages, joined in order. Each message inside is a whole
+message as above (its own header first) and is handled exactly as if it had
+come alone, in order, checks and all; a ``BATCH`` inside a batch is refused.
+The pool batches the commands of one call that go to one worker; a worker
+batches the replies of the commands of one batch it ran in its main thread
+(without env threads, or hosting one env): replies from env threads go one by
+one, as each is ready. Only messages of at most
+:data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES` are joined, into frames of at
+most :data:`~zmqpool.limits.MAX_BATCH_BYTES` (under every socket's
+``MAXMSGSIZE``); larger ones go alone, in their place, zero-copy frames and
+all. A receiver checks the counts and sizes against the joined frame, and the
+number of messages against what the peer may have in flight, before it makes
+a view of it: a batch allocates nothing (the views share the joined frame).
+
 Limits. Every count, length and size a peer sends is held to a bound of
 :mod:`zmqpool.limits` before anything is allocated. A layout is refused when it
 breaks the tree a tensordict can be (a key twice, a key both a leaf and a
@@ -134,7 +153,17 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from zmqpool.errors import ProtocolError, VersionMismatchError
-from zmqpool.limits import MAX_HEADER_BYTES, MAX_LAYOUT_ID, MAX_PARTS, MAX_TOKEN_BYTES, is_int
+from zmqpool.limits import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_FRAMES,
+    MAX_BATCHED_MESSAGE_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_LAYOUT_ID,
+    MAX_MESSAGE_FRAMES,
+    MAX_PARTS,
+    MAX_TOKEN_BYTES,
+    is_int,
+)
 
 # isort: split
 if TYPE_CHECKING:
@@ -143,7 +172,9 @@ if TYPE_CHECKING:
 #: Bumped whenever a peer of the previous version could misread a message.
 #: 2: a spec's bounds may travel broadcast (:mod:`zmqpool.specs`' ``E``
 #: tensors), which a version-1 pool would refuse as malformed specs.
-PROTOCOL_VERSION = 2
+#: 3: several small messages may travel as one (:data:`Command.BATCH`), which a
+#: version-2 peer would refuse, losing the requests or replies inside.
+PROTOCOL_VERSION = 3
 
 
 class Command(enum.IntEnum):
@@ -167,6 +198,8 @@ class Command(enum.IntEnum):
     # worker -> pool, on the results PULL
     RESULT = 30
     ERROR = 31  # the env raised: body["err"], body["tb"]
+    # either way, on a command's or a result's socket
+    BATCH = 40  # several messages in one: body["n"] frames each, body["len"] bytes per frame
 
 
 # ---------------------------------------------------------------- headers
@@ -257,3 +290,88 @@ def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
     for part in parts:
         frames.extend(part.frames)
     return frames
+
+
+# ---------------------------------------------------------------- batches
+
+
+def batch_messages(messages: Sequence[list[Any]], env: int, token: bytes = b"") -> list[list[Any]]:
+    """``messages`` (each its header frame, then its tensor frames) as few messages as can be.
+
+    Runs of small messages (at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`
+    each) become one :data:`Command.BATCH` each, of at most
+    :data:`~zmqpool.limits.MAX_BATCH_BYTES`; a larger message goes as it is, in
+    its place. The order is kept: a message may use a layout an earlier one
+    announced. ``env`` and ``token`` go in each batch's header (a result batch's
+    ``env`` is one its worker hosts, so the pool finds the worker's link by it).
+    """
+    out: list[list[Any]] = []
+    run: list[list[Any]] = []
+    run_bytes = 0
+    for frames in messages:
+        size = sum(memoryview(f).nbytes for f in frames)
+        fits = size <= MAX_BATCHED_MESSAGE_BYTES
+        if run and (not fits or run_bytes + size > MAX_BATCH_BYTES or _too_many(run, frames)):
+            out.append(_batch(run, env, token))
+            run, run_bytes = [], 0
+        if fits:
+            run.append(frames)
+            run_bytes += size
+        else:
+            out.append(frames)
+    if run:
+        out.append(_batch(run, env, token))
+    return out
+
+
+def _too_many(run: list[list[Any]], frames: list[Any]) -> bool:
+    return sum(len(m) for m in run) + len(frames) > MAX_BATCH_FRAMES
+
+
+def _batch(run: list[list[Any]], env: int, token: bytes) -> list[Any]:
+    """One message for the messages of ``run``: a BATCH header, then their frames joined."""
+    if len(run) == 1:
+        return run[0]
+    flat = [frame for frames in run for frame in frames]
+    body = {"n": [len(frames) for frames in run], "len": [memoryview(f).nbytes for f in flat]}
+    return [Header(Command.BATCH, env, 0, token, body=body).encode(), b"".join(flat)]
+
+
+def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> list[list[memoryview]]:
+    """A BATCH's messages, each its frames (views on the joined frame, nothing copied).
+
+    Everything the header claims is checked before any view is made: at most
+    ``max_messages`` messages (what the peer may have in flight: its envs), of
+    at most :data:`~zmqpool.limits.MAX_MESSAGE_FRAMES` frames each and
+    :data:`~zmqpool.limits.MAX_BATCH_FRAMES` in all, whose sizes add up to
+    the one joined frame's. Raises :class:`ProtocolError`.
+    """
+    counts, sizes = _batch_fields(header.body)
+    if not 0 < len(counts) <= max_messages:
+        raise ProtocolError(f"a batch of {len(counts)} messages, where at most {max_messages} fit")
+    if any(not is_int(n) or not 0 < n <= MAX_MESSAGE_FRAMES for n in counts):
+        raise ProtocolError("a batch's frame counts must be positive integers")
+    if sum(counts) != len(sizes) or any(not is_int(n) or n < 0 for n in sizes):
+        raise ProtocolError("a batch's frame sizes must be one non-negative integer per frame")
+    if len(frames) != 1:
+        raise ProtocolError(f"a batch must carry one joined frame, not {len(frames)}")
+    joined = memoryview(getattr(frames[0], "buffer", frames[0])).cast("B")
+    if sum(sizes) != joined.nbytes:
+        raise ProtocolError(f"a batch's frame sizes add up to {sum(sizes)}, not {joined.nbytes}")
+    views, at = [], 0
+    for size in sizes:
+        views.append(joined[at : at + size])
+        at += size
+    messages, start = [], 0
+    for n in counts:
+        messages.append(views[start : start + n])
+        start += n
+    return messages
+
+
+def _batch_fields(body: dict[str, Any] | None) -> tuple[list[Any], list[Any]]:
+    counts = None if body is None else body.get("n")
+    sizes = None if body is None else body.get("len")
+    if type(counts) is not list or type(sizes) is not list or len(sizes) > MAX_BATCH_FRAMES:
+        raise ProtocolError(f"a batch must list frame counts and at most {MAX_BATCH_FRAMES} sizes")
+    return counts, sizes
