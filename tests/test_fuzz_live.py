@@ -584,8 +584,9 @@ def test_malformed_commands_are_refused_and_the_env_lives_on(worker):
     assert not worker.handle([Header(Command.CLOSE).encode()])  # CLOSE still closes
 
 
-def two_env_worker(tmp_path, env_threads: bool) -> Worker:
-    host = EnvHost({0: CountingEnv(env_id=7), 1: CountingEnv(env_id=8)})
+def two_env_worker(tmp_path, env_threads: bool, slow_second: bool = False) -> Worker:
+    sleep = {"step_sleep_s": (0.02, 0.02)} if slow_second else {}
+    host = EnvHost({0: CountingEnv(env_id=7), 1: CountingEnv(env_id=8, **sleep)})
     w = Worker(f"ipc://{tmp_path}/nobody", b"w0", host, env_threads=env_threads)
     w.push = FakePush()
     w.token = b"t" * 16
@@ -624,6 +625,21 @@ def test_a_batch_run_inline_is_answered_by_one_batch(tmp_path):
             0: [7.0, 1.0],
             1: [8.0, 1.0],
         }
+    finally:
+        worker.close()
+
+
+def test_a_kept_reply_does_not_wait_on_a_slow_env(tmp_path):
+    """Run inline, a batch's replies go together; but once env 1 is known to take 20 ms a
+    step, env 0's reply goes before env 1 runs, not after."""
+    worker, encoder = two_env_worker(tmp_path, env_threads=False, slow_second=True), Encoder()
+    try:
+        assert worker.handle(batch_of_steps(encoder, {0: 1, 1: 1}))
+        assert len(worker.push.sent) == 1  # env 1's speed unknown yet: one message
+        worker.push.sent.clear()
+        assert worker.handle(batch_of_steps(encoder, {0: 2, 1: 2}))
+        envs = [[Header.decode(m[0]).env for m in replies_in(s)] for s in worker.push.sent]
+        assert envs == [[0], [1]]
     finally:
         worker.close()
 

@@ -90,6 +90,12 @@ from zmqpool.wire import Command, Header, batch_messages, encode_message, split_
 
 log = logging.getLogger("workers")
 
+#: A batch run inline keeps its replies to send them together, but not past a
+#: command whose env took longer than this last time: a reply then goes before
+#: that env runs, so it never waits on a slow env. Cheap envs' replies (tens to
+#: hundreds of us a step) still go as one message.
+_HOLD_FOR_S = 0.001
+
 #: How long :meth:`Worker.close` waits for its threads to finish what they are
 #: doing (an env step in flight) before it leaves them to the process's exit.
 CLOSE_JOIN_S = 1.0
@@ -166,6 +172,8 @@ class Worker:
         self._send_lock = threading.Lock()
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
         self._outbox: list[list[Any]] | None = None
+        #: How long each hosted env's last command run inline took (s).
+        self._step_s: dict[int, float] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -429,14 +437,22 @@ class Worker:
             self.dropped += 1
             log.warning("dropped a malformed batch: %s", err)
             return True
+        inline = self._runs_inline()
         # Only the main thread replies when envs run inline: nothing else can
         # reach the outbox while it is open.
-        self._outbox = [] if self._runs_inline() else None
+        self._outbox = [] if inline else None
         try:
             for message in messages:
                 inner = self._command_header(message[0])
-                if inner is not None and not self._handle_command(inner, message):
+                if inner is None:
+                    continue
+                if inline and self._outbox and self._step_s.get(inner.env, 0.0) > _HOLD_FOR_S:
+                    self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
+                started = time.perf_counter()
+                if not self._handle_command(inner, message):
                     return False
+                if inline and inner.env in self.host.envs:
+                    self._step_s[inner.env] = time.perf_counter() - started
             return True
         finally:
             self._flush_outbox()
@@ -445,16 +461,19 @@ class Worker:
         """Whether commands run in this (the main) thread rather than in env threads."""
         return self.runners is None or len(self.host.envs) < 2
 
-    def _flush_outbox(self) -> None:
-        """Send the replies kept during a batch: in order, small ones as batches themselves."""
-        outbox, self._outbox = self._outbox, None
+    def _flush_outbox(self, reopen: bool = False) -> None:
+        """Send the replies kept during a batch: in order, small ones as batches themselves.
+
+        ``reopen``: keep the replies of the batch's next commands again.
+        """
+        outbox, self._outbox = self._outbox, [] if reopen else None
         if not outbox:
             return
         # The batch's env names this worker to the pool: one it hosts.
         env = next(iter(self.host.envs), -1)
         with self._send_lock:
             for frames in batch_messages(outbox, env, self.token):
-                self._send_unlocked(frames)
+                self._push(frames)
 
     def _execute(self, header: Header, frames: list[Any]) -> None:
         try:
@@ -493,7 +512,10 @@ class Worker:
     def _send_unlocked(self, reply: list[Any]) -> None:
         if self._outbox is not None:  # a batch runs inline: its replies go when it ends
             self._outbox.append(reply)
-            return
+        else:
+            self._push(reply)
+
+    def _push(self, reply: list[Any]) -> None:
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
             return
         send_frames(self.push, reply)
