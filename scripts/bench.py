@@ -1456,7 +1456,29 @@ def meta(args: argparse.Namespace, cfg: Config, wall_s: float) -> dict[str, Any]
         "gymnasium": gymnasium.__version__,
         "machine": platform.platform(),
         "open_files_limit": raise_fd_limit(0),
+        **measured_code(),
     }
+
+
+def measured_code() -> dict[str, Any]:
+    """Which zmqpool the rows ran: its directory and, in a git checkout, the commit.
+
+    This script puts its own checkout first on ``sys.path``: a run of another
+    checkout's code needs that checkout's copy of the script.
+    """
+    module = importlib.import_module("zmqpool")
+    where = Path(module.__file__ or ".").resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(where), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"zmqpool_path": str(where), "zmqpool_commit": commit}
 
 
 # --------------------------------------------------------------------------- zero-copy threshold

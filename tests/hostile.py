@@ -317,8 +317,12 @@ class Hello:
         slots: list[int] | None = None,
         incarnation: bytes | None = None,
         remote: bool = True,
+        batches: bool = False,
     ) -> dict[str, Any]:
-        """A REGISTER body as a remote worker builds it (default: one env of ``spec``)."""
+        """A REGISTER body as a remote worker builds it (default: one env of ``spec``).
+
+        ``batches``: ask for a call's commands in one message (a victim of protocol 3 on).
+        """
         specs = [self.spec] if specs is None else specs
         reg = {
             "pid": os.getpid(),
@@ -329,6 +333,8 @@ class Hello:
             "slots": slots,
             "specs": specs,
         }
+        if self.version >= 3:  # before it, a REGISTER had no such key
+            reg["batches"] = batches
         return {"reg": reg}
 
     def decode(self, frame: bytes) -> dict[str, Any]:

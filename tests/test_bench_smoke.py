@@ -316,3 +316,10 @@ def test_repeat_reports_medians_of_interleaved_runs(tmp_path):
     assert ratios == {("cheap", "serial"): pytest.approx(median_ratio)}
     serial_target = [t for t in report["targets"] if t["row"] == "serial"]
     assert [t["value"] for t in serial_target] == [pytest.approx(median_ratio)]
+
+
+def test_the_results_say_which_zmqpool_they_measured(quick_run):
+    _, out = quick_run
+    meta = json.loads((out / "r.json").read_text())["meta"]
+    assert Path(meta["zmqpool_path"]) == REPO / "zmqpool"  # this checkout's, not an install's
+    assert "zmqpool_commit" in meta

@@ -576,7 +576,8 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
     port = free_port_base(HOST)
     with victim_on(tmp_path, key_dir, port, remote_envs=2) as victim:
         w = worker(context, victim, port, key_dir, 0, b"batcher")
-        a, b = welcomed(w, victim, w.hello.register_body([w.hello.spec, w.hello.spec]))
+        body = w.hello.register_body([w.hello.spec, w.hello.spec], batches=True)
+        a, b = welcomed(w, victim, body)
         victim.wait("constructed", timeout_s=30)
 
         victim.command(f'send-envs {{"envs": [{a}, {b}]}}')

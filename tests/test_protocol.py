@@ -37,6 +37,7 @@ REGISTER = Register(
     incarnation=b"\x01" * 8,
     slots=(3, 5),
     specs=({"class": "Composite", "entries": {}}, {"class": "Composite", "entries": {}}),
+    batches=True,
 )
 WELCOME = Welcome(
     token=b"t" * 16,
@@ -179,6 +180,7 @@ MALFORMED = {
     "register no envs": (Register, _with(REGISTER, ("reg", "envs"), []), "envs"),
     "register no specs": (Register, _with(REGISTER, ("reg", "specs"), []), "specs"),
     "register specs != envs": (Register, _with(REGISTER, ("reg", "specs"), [{}]), "specs for"),
+    "register batches not a bool": (Register, _with(REGISTER, ("reg", "batches"), 1), "batches"),
     "register empty incarnation": (
         Register,
         _with(REGISTER, ("reg", "incarnation"), b""),

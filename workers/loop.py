@@ -219,6 +219,9 @@ class Worker:
             incarnation=self.incarnation,
             slots=None if self.slots is None else tuple(self.slots),
             specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
+            # Batched commands pay only when their replies go back batched too
+            # (measured: with env threads, -5% steps/s for nothing).
+            batches=self._runs_inline() and len(self.host.envs) > 1,
         )
         message = Header(Command.REGISTER, body=reg.to_body()).encode()
         if len(message) > self._control_limit()[0]:

@@ -291,6 +291,7 @@ class Registrar:
             record.envs,
             remote,
             record.key,
+            reg.batches,
         )
         rejoin = self.roster.go_live(record, link, [(data, spec) for data, spec, _ in specs])
         self.liveness.heard(record.identity, time.monotonic())

@@ -23,6 +23,8 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         specs         list of map, one per env, same length as envs: the env's specs
                                            (:func:`zmqpool.specs.spec_to_data`), checked
                                            by the pool with :func:`~zmqpool.specs.spec_from_data`
+        batches       bool                 it steps its envs in its main thread and answers a
+                                           BATCH of commands with one: send it batches
 
     WELCOME    pool -> worker, ROUTER      {"reg": {...}}              Welcome
         token         bytes [1, 64]        the session token its results must carry
@@ -216,8 +218,9 @@ class Register:
     incarnation: bytes
     slots: tuple[int, ...] | None
     specs: tuple[dict[str, Any], ...]
+    batches: bool = False
 
-    _KEYS = ("pid", "host", "envs", "remote", "incarnation", "slots", "specs")
+    _KEYS = ("pid", "host", "envs", "remote", "incarnation", "slots", "specs", "batches")
 
     def to_body(self) -> dict[str, Any]:
         reg = {
@@ -228,6 +231,7 @@ class Register:
             "incarnation": self.incarnation,
             "slots": None if self.slots is None else list(self.slots),
             "specs": list(self.specs),
+            "batches": self.batches,
         }
         return {"reg": reg}
 
@@ -250,6 +254,7 @@ class Register:
             incarnation=_bytes(reg["incarnation"], "REGISTER incarnation"),
             slots=None if slots is None else _indices(slots, "REGISTER slots"),
             specs=tuple(specs),
+            batches=_bool(reg["batches"], "REGISTER batches"),
         )
 
 

@@ -76,6 +76,7 @@ class Link:
     envs: tuple[int, ...]
     remote: bool  # on the remote (TCP) side of the broker
     key: str | None = None  # the CURVE public key (z85) it authenticated with, remote only
+    batches: bool = False  # it asked for a call's commands in one message (REGISTER)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,9 +144,9 @@ class Roster:
         self._workers = {record.identity: record for record in self.local}
         self._by_pidfd: dict[int, WorkerRecord] = {}
         self._reserved: dict[int, str] = {}  # remote slot -> the only key that may take it
-        #: The most envs any worker has registered for (never lowered): above
-        #: one, commands to a worker's envs can share a message.
-        self.most_envs_per_worker = 0
+        #: Whether a worker has asked for batched commands (never reset): until
+        #: one has, a call's commands go one by one, without an outbox.
+        self.batching = False
 
     # ------------------------------------------------------------ lookups
 
@@ -216,7 +217,7 @@ class Roster:
         now rebuilt (their requests in flight are sent again, steps as resets).
         """
         record.phase, record.link = WorkerPhase.LIVE, link
-        self.most_envs_per_worker = max(self.most_envs_per_worker, len(record.envs))
+        self.batching |= link.batches
         rejoin = False
         for index, (data, spec) in zip(record.envs, specs, strict=True):
             env = self.envs[index]

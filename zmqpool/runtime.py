@@ -392,7 +392,7 @@ class Runtime:
             self.roster.begin(env, resets)
         pending.sent_at = time.monotonic()
         frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
-        if self._outbox is not None:  # within send_all(): sent with its worker's others
+        if self._outbox is not None and link.batches:  # within send_all(): with its others
             self._outbox.setdefault((link.identity, link.remote), []).append(frames)
             return
         self.broker.route(link.identity, frames, link.remote)
@@ -405,7 +405,7 @@ class Runtime:
         Whatever fails midway, what was recorded is sent: each request is in the
         ledger already and awaits its reply.
         """
-        if len(envs) == 1 or self.roster.most_envs_per_worker < 2:
+        if len(envs) == 1 or not self.roster.batching:
             # Nothing to batch. Held back to the end, commands would also reach
             # their workers later (measured: ~4% of a cheap env's steps/s).
             for env, payload in zip(envs, payloads, strict=True):

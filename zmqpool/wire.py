@@ -120,10 +120,13 @@ a worker, the worker's token on results, no layouts, and the body ``{"n":
 frame of those messages, joined in order. Each message inside is a whole
 message as above (its own header first) and is handled exactly as if it had
 come alone, in order, checks and all; a ``BATCH`` inside a batch is refused.
-The pool batches the commands of one call that go to one worker; a worker
-batches the replies of the commands of one batch it ran in its main thread
-(without env threads, or hosting one env): replies from env threads go one by
-one, as each is ready. Only messages of at most
+The pool batches the commands of one call that go to one worker, if that
+worker asked for batches when it registered (``batches`` in its REGISTER: it
+steps its envs in its main thread, so it answers a batch with one); such a
+worker keeps the replies of a batch and sends them together when it ends, or
+before a command whose env took over a millisecond last time, so that no
+reply waits on a slow env. A worker with env threads replies one by one, as
+each env is done, and gets its commands one by one. Only messages of at most
 :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES` are joined, into frames of at
 most :data:`~zmqpool.limits.MAX_BATCH_BYTES` (under every socket's
 ``MAXMSGSIZE``); larger ones go alone, in their place, zero-copy frames and
