@@ -898,6 +898,24 @@ class SameCallsOnBoth:
         assert_same_td(step, s, "per-env step of env 1", exclude=[ENV_INDEX])
 
 
+class TestBatchedWire(SameCallsOnBoth):
+    """4 CountingEnvs, 2 per worker, stepped in the workers' main threads
+    (``env_threads=False``): commands and replies travel as batches (the wire's
+    ``BATCH``), and every call answers as torchrl's pool does."""
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return counting_makers(4)
+
+    @pytest.fixture(scope="class")
+    def pool_pair(self):
+        inline = dataclasses.replace(FAST, env_threads=False)
+        yield from serve(
+            AsyncEnvPool(self.makers(), backend="threading"),
+            lambda: ZMQAsyncEnvPool(self.makers(), envs_per_worker=2, config=inline),
+        )
+
+
 class TestNestedKeys(SameCallsOnBoth):
     """NestedCountingEnv (("data", "states"), ("data", "action"), ...), stack="maybe_dense"."""
 
