@@ -221,7 +221,7 @@ class Worker:
             specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
             # Batched commands pay only when their replies go back batched too
             # (measured: with env threads, -5% steps/s for nothing).
-            batches=self._runs_inline() and len(self.host.envs) > 1,
+            batches=self.runners is None and len(self.host.envs) > 1,
         )
         message = Header(Command.REGISTER, body=reg.to_body()).encode()
         if len(message) > self._control_limit()[0]:
@@ -449,7 +449,7 @@ class Worker:
                 inner = self._command_header(message[0])
                 if inner is None:
                     continue
-                if inline and self._outbox and self._step_s.get(inner.env, 0.0) > _HOLD_FOR_S:
+                if self._outbox and self._step_s.get(inner.env, 0.0) > _HOLD_FOR_S:
                     self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
                 started = time.perf_counter()
                 if not self._handle_command(inner, message):

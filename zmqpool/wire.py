@@ -303,41 +303,53 @@ def batch_messages(messages: Sequence[list[Any]], env: int, token: bytes = b"") 
 
     Runs of small messages (at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`
     each) become one :data:`Command.BATCH` each, of at most
-    :data:`~zmqpool.limits.MAX_BATCH_BYTES`; a larger message goes as it is, in
-    its place. The order is kept: a message may use a layout an earlier one
-    announced. ``env`` and ``token`` go in each batch's header (a result batch's
-    ``env`` is one its worker hosts, so the pool finds the worker's link by it).
+    :data:`~zmqpool.limits.MAX_BATCH_BYTES` and
+    :data:`~zmqpool.limits.MAX_BATCH_FRAMES` frames; a larger message goes as it
+    is, in its place. The order is kept: a message may use a layout an earlier
+    one announced. ``env`` and ``token`` go in each batch's header (a result
+    batch's ``env`` is one its worker hosts, so the pool finds the worker's link by it).
     """
     out: list[list[Any]] = []
-    run: list[list[Any]] = []
-    run_bytes = 0
+    run = _Run()
     for frames in messages:
-        size = sum(memoryview(f).nbytes for f in frames)
-        fits = size <= MAX_BATCHED_MESSAGE_BYTES
-        if run and (not fits or run_bytes + size > MAX_BATCH_BYTES or _too_many(run, frames)):
-            out.append(_batch(run, env, token))
-            run, run_bytes = [], 0
+        sizes = [memoryview(f).nbytes for f in frames]
+        fits = sum(sizes) <= MAX_BATCHED_MESSAGE_BYTES
+        if run.messages and (not fits or not run.takes(sizes)):
+            out.append(run.message(env, token))
+            run = _Run()
         if fits:
-            run.append(frames)
-            run_bytes += size
+            run.add(frames, sizes)
         else:
             out.append(frames)
-    if run:
-        out.append(_batch(run, env, token))
+    if run.messages:
+        out.append(run.message(env, token))
     return out
 
 
-def _too_many(run: list[list[Any]], frames: list[Any]) -> bool:
-    return sum(len(m) for m in run) + len(frames) > MAX_BATCH_FRAMES
+@dataclasses.dataclass
+class _Run:
+    """Consecutive small messages on their way into one batch, their frame sizes measured once."""
 
+    messages: list[list[Any]] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
 
-def _batch(run: list[list[Any]], env: int, token: bytes) -> list[Any]:
-    """One message for the messages of ``run``: a BATCH header, then their frames joined."""
-    if len(run) == 1:
-        return run[0]
-    flat = [frame for frames in run for frame in frames]
-    body = {"n": [len(frames) for frames in run], "len": [memoryview(f).nbytes for f in flat]}
-    return [Header(Command.BATCH, env, 0, token, body=body).encode(), b"".join(flat)]
+    def takes(self, sizes: list[int]) -> bool:
+        fits_bytes = self.nbytes + sum(sizes) <= MAX_BATCH_BYTES
+        return fits_bytes and len(self.sizes) + len(sizes) <= MAX_BATCH_FRAMES
+
+    def add(self, frames: list[Any], sizes: list[int]) -> None:
+        self.messages.append(frames)
+        self.sizes += sizes
+        self.nbytes += sum(sizes)
+
+    def message(self, env: int, token: bytes) -> list[Any]:
+        """A BATCH header, then the frames joined (a run of one: that message as it is)."""
+        if len(self.messages) == 1:
+            return self.messages[0]
+        body = {"n": [len(frames) for frames in self.messages], "len": self.sizes}
+        joined = b"".join(frame for frames in self.messages for frame in frames)
+        return [Header(Command.BATCH, env, 0, token, body=body).encode(), joined]
 
 
 def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> list[list[memoryview]]:
