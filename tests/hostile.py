@@ -608,6 +608,23 @@ class ScriptedWorker:
         fields = [self.hello.version, self.hello.commands["BATCH"], env, 0, token, [], body]
         return [msgpack.packb(fields, use_bin_type=True), b"".join(flat)]
 
+    def results_frames(self, commands: list[dict[str, Any]], tds: list[Any]) -> list[Any]:
+        """One RESULTS from this worker answering ``commands`` with ``tds``, rows joined.
+
+        Their layout must have been announced already (by :meth:`answer_frames`):
+        a RESULTS announces nothing.
+        """
+        if self.encoder is None:
+            self.encoder = _encoder()
+        parts = [self.encoder.encode(td) for td in tds]
+        assert all(p.new_layout is None for p in parts), "announce the layout first"
+        envs, seqs = [c["env"] for c in commands], [c["seq"] for c in commands]
+        fields = [self.hello.version, self.hello.commands["RESULTS"], envs[0], 0, self.token]
+        fields += [[parts[0].layout_id], {"envs": envs, "seqs": seqs}]
+        columns = zip(*[p.frames for p in parts], strict=True)
+        joined = [b"".join(bytes(memoryview(f).cast("B")) for f in column) for column in columns]
+        return [msgpack.packb(fields, use_bin_type=True), *joined]
+
     def result_header(self, env: int, seq: int, layouts=(), body=None, token=None) -> bytes:
         """A RESULT header with this worker's token (or ``token``)."""
         token = self.token if token is None else token

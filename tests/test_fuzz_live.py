@@ -6,7 +6,8 @@ headers, other protocol versions, unknown commands, wrong frame counts,
 layouts claiming 10 GB, env indices out of range, stale and future sequence
 numbers, results forged with a wrong or empty token for requests in flight,
 REGISTER garbage, batches that are malformed, forged, nested or carry
-another worker's results), interleaved with the trainer's real async steps (random
+another worker's results, joined rows that are malformed, forged or list
+another worker's env), interleaved with the trainer's real async steps (random
 subsets, ``min_get=1``). The pool must not crash, must hand the trainer only
 results from the registered workers (each result names its env, its step
 count and the action it was sent: a forged one shows), must count every drop,
@@ -49,8 +50,10 @@ from zmqpool.wire import (
     PROTOCOL_VERSION,
     Command,
     Header,
+    ResultRow,
     batch_messages,
     encode_message,
+    pack_results,
     split_batch,
 )
 
@@ -286,7 +289,47 @@ class HostilePeer:
         nested = self._batch(env, self._token(env), [[Header(Command.HEARTBEAT).encode()]])
         return self._batch(env, self._token(env), [nested])
 
+    def _results(self, envs: list[int], token: bytes) -> list[Any]:
+        """A RESULTS message of ``envs``' awaited seqs, each row a forged step."""
+        encoder = Encoder()
+        rows = [ResultRow(e, self._awaited_seq(e), [encoder.encode(forged_next(e))]) for e in envs]
+        return pack_results(rows, token)
+
+    def results_for_another_worker(self) -> list[Any]:
+        # A worker's RESULTS (its token, its env first) with a row for the other worker's
+        # env at that env's awaited seq: only the check of every env's link stops it.
+        env = self._env()
+        return self._results([env, (env + 2) % NUM_ENVS], self._token(env))
+
+    def results_wrong_token(self) -> list[Any]:
+        env = self._env()
+        return self._results([env, env ^ 1], self.rng.choice([b"", os.urandom(16)]))
+
+    def malformed_results(self) -> list[Any]:
+        env = self._env()
+        frames = self._results([env, env ^ 1], self._token(env))
+        fields = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        body = fields[6]
+        broken = self.rng.choice(["one row", "lengths", "twice", "not first", "extra", "seq"])
+        if broken == "one row":
+            body = {"envs": body["envs"][:1], "seqs": body["seqs"][:1]}
+        elif broken == "lengths":
+            body["seqs"] = body["seqs"][:1]
+        elif broken == "twice":
+            body["envs"] = [env, env]
+        elif broken == "not first":
+            body["envs"] = body["envs"][::-1]
+        elif broken == "extra":
+            body["L"] = {}
+        else:
+            body["seqs"] = [body["seqs"][0], -1]
+        fields[6] = body
+        return [msgpack.packb(fields, use_bin_type=True), *frames[1:]]
+
     RESULTS = {
+        "results_for_another_worker": results_for_another_worker,
+        "results_wrong_token": results_wrong_token,
+        "malformed_results": malformed_results,
         "junk_bytes": junk_bytes,
         "truncated_header": truncated_header,
         "mistyped_header": mistyped_header,
@@ -625,6 +668,25 @@ def test_a_batch_run_inline_is_answered_by_one_batch(tmp_path):
             0: [7.0, 1.0],
             1: [8.0, 1.0],
         }
+    finally:
+        worker.close()
+
+
+def test_rows_of_one_layout_are_answered_joined(tmp_path):
+    """Once the layout is announced, a batch's replies are one RESULTS: rows joined."""
+    worker, decoder, encoder = two_env_worker(tmp_path, env_threads=False), Decoder(), Encoder()
+    try:
+        assert worker.handle(batch_of_steps(encoder, {0: 1, 1: 1}))
+        for reply in replies_in(worker.push.sent.pop()):  # announces the reply's layout
+            decoder.decode(Header.decode(reply[0]), reply[1:])
+        assert worker.handle(batch_of_steps(encoder, {1: 2, 0: 2}))
+        [message] = worker.push.sent
+        header = Header.decode(message[0])
+        assert (header.command, header.env, header.token) == (Command.RESULTS, 1, worker.token)
+        assert header.body == {"envs": [1, 0], "seqs": [2, 2]}  # in the batch's order
+        rows = decoder.decode_rows(header, message[1:], 2)
+        observed = [parts[0].to_tensordict()["observation"][:2].tolist() for parts in rows]
+        assert observed == [[8.0, 2.0], [7.0, 2.0]]
     finally:
         worker.close()
 

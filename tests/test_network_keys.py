@@ -572,6 +572,8 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
     first env beside a truncated header for the second. Only the good one
     counts: the first env's result is the honest one, the second env's is the
     one sent alone afterwards (a forged one would show its observation, 666).
+    Then rows joined: one RESULTS answers both envs, and one whose joined frame
+    is a byte short answers both requests with the error, each naming its env.
     """
     port = free_port_base(HOST)
     with victim_on(tmp_path, key_dir, port, remote_envs=2) as victim:
@@ -608,9 +610,30 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
         w.answer(commands[1], step_next(env_id=b))
         victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
         second = victim.wait("collected", timeout_s=30)
+
+        # Rows joined: one RESULTS answers both; then one whose joined frame is a byte
+        # short answers both requests with the error, naming each env.
+        victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
+        commands = [w.command(10), w.command(10)]
+        assert None not in commands and w.batches[-1] == [a, b]
+        w.send_result(w.results_frames(commands, [step_next(env_id=e) for e in (a, b)]))
+        victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
+        joined = victim.wait("collected", timeout_s=30)
+        victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
+        commands = [w.command(10), w.command(10)]
+        assert None not in commands
+        frames = w.results_frames(commands, [step_next(env_id=e) for e in (a, b)])
+        w.send_result([frames[0], frames[1][:-1], *frames[2:]])
+        victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
+        broken = victim.wait("collected", timeout_s=30)
         w.close()
     heads = {env: r["head"] for env, r in second["results"].items()}
     assert heads == {str(a): [float(a), 1.0], str(b): [float(b), 1.0]}, second
+    heads = {env: r["head"] for env, r in joined["results"].items()}
+    assert heads == {str(a): [float(a), 1.0], str(b): [float(b), 1.0]}, joined
+    assert not broken["results"], broken
+    named = sorted(e for err in broken["errors"] for e in err["envs"])
+    assert named == [a, b] and all("malformed reply" in e["error"] for e in broken["errors"])
 
 
 # ---------------------------------------------------------------- 10: the reference spec

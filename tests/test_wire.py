@@ -15,8 +15,11 @@ from zmqpool.wire import (
     PROTOCOL_VERSION,
     Command,
     Header,
+    ResultRow,
     batch_messages,
     encode_message,
+    result_messages,
+    results_rows,
     split_batch,
 )
 
@@ -277,3 +280,125 @@ def test_batches_stay_under_their_size_and_frame_limits():
 def test_malformed_batches_raise_protocol_error(body, frames, max_messages):
     with pytest.raises(ProtocolError):
         split_batch(Header(Command.BATCH, -1, 0, body=body), frames, max_messages)
+
+
+# ---------------------------------------------------------------- rows joined
+
+
+def _rows(encoder: Encoder, values: list[float], first_env: int = 0) -> list[ResultRow]:
+    tds = [
+        TensorDict({"obs": torch.full((3,), v), "done": torch.tensor([v > 1])}, []) for v in values
+    ]
+    return [ResultRow(first_env + i, 10 + i, [encoder.encode(td)]) for i, td in enumerate(tds)]
+
+
+def _learned(encoder: Encoder) -> Decoder:
+    """A decoder that knows what ``encoder`` announced (the rows then announce nothing)."""
+    decoder = Decoder()
+    announce = _rows(encoder, [0.0])[0]
+    decoder.decode(Header.decode(announce.message(b"")[0]), announce.message(b"")[1:])
+    return decoder
+
+
+def test_rows_of_one_layout_travel_joined_and_come_apart_as_each_env_sent_them():
+    encoder = Encoder()
+    decoder = _learned(encoder)
+    [message] = result_messages(_rows(encoder, [1.0, 2.0, 3.0], first_env=4), b"t" * 16)
+    header = Header.decode(message[0])
+    assert (header.command, header.env, header.seq, header.token) == (
+        Command.RESULTS,
+        4,
+        0,
+        b"t" * 16,
+    )
+    assert results_rows(header, 3) == ([4, 5, 6], [10, 11, 12])
+    rows = decoder.decode_rows(header, as_received(message[1:]), 3)
+    for value, parts in zip([1.0, 2.0, 3.0], rows, strict=True):
+        td = parts[0].to_tensordict()
+        assert td["obs"].tolist() == [value] * 3 and td["done"].tolist() == [value > 1]
+
+
+def test_a_row_that_announces_or_differs_or_an_error_breaks_the_run_in_its_place():
+    encoder = Encoder()
+    first = _rows(encoder, [1.0])  # announces its layout: alone, as a RESULT
+    same = _rows(encoder, [2.0, 3.0], first_env=1)
+    x = TensorDict({"x": torch.ones(2)}, [])
+    encoder.encode(x)  # announced before: this row differs by its layout alone
+    other = [ResultRow(3, 13, [encoder.encode(x)])]
+    error = [Header(Command.ERROR, 4, 14, b"", body={"err": "e", "tb": ""}).encode()]
+    tail = _rows(encoder, [4.0, 5.0], first_env=5)
+    out = result_messages([*first, *same, *other, error, *tail], b"")
+    headers = [Header.decode(m[0]) for m in out]
+    assert [(h.command, h.env) for h in headers] == [
+        (Command.RESULT, 0),
+        (Command.RESULTS, 1),
+        (Command.RESULT, 3),
+        (Command.ERROR, 4),
+        (Command.RESULTS, 5),
+    ]
+    assert out[3] is error
+    assert headers[1].body == {"envs": [1, 2], "seqs": [10, 11]}
+
+
+def test_joined_rows_stay_under_the_batch_limit_and_large_rows_go_alone():
+    encoder = Encoder()
+    row_bytes = MAX_BATCHED_MESSAGE_BYTES // 2
+    tds = [TensorDict({"obs": torch.zeros(row_bytes, dtype=torch.uint8)}, []) for _ in range(40)]
+    rows = [ResultRow(i, 1, [encoder.encode(td)]) for i, td in enumerate(tds)]
+    out = result_messages(rows, b"")
+    assert Header.decode(out[0][0]).command == Command.RESULT  # the announcing row
+    assert all(sum(len(f) for f in m[1:]) <= MAX_BATCH_BYTES for m in out)
+    envs = [e for m in out[1:] for e in results_rows(Header.decode(m[0]), 40)[0]]
+    assert envs == list(range(1, 40)) and len(out) > 2
+    big = TensorDict({"obs": torch.zeros(MAX_BATCHED_MESSAGE_BYTES + 1, dtype=torch.uint8)}, [])
+    encoder.encode(big)  # announced
+    large = [ResultRow(i, 1, [encoder.encode(big)]) for i in range(2)]
+    assert [Header.decode(m[0]).command for m in result_messages(large, b"")] == [
+        Command.RESULT,
+        Command.RESULT,
+    ]
+
+
+@pytest.mark.parametrize(
+    "env, body",
+    [
+        (0, None),
+        (0, {"envs": [0, 1]}),
+        (0, {"envs": [0, 1], "seqs": [1, 1], "L": {}}),  # a RESULTS announces nothing
+        (0, {"envs": [0], "seqs": [1]}),  # one row is a RESULT
+        (0, {"envs": [0, 1, 2], "seqs": [1, 1, 1]}),  # more rows than the sender's envs
+        (0, {"envs": [0, 1], "seqs": [1]}),
+        (0, {"envs": [0, 0], "seqs": [1, 2]}),  # an env twice
+        (1, {"envs": [0, 1], "seqs": [1, 1]}),  # not the header's env first
+        (0, {"envs": [0, True], "seqs": [1, 1]}),
+        (0, {"envs": [0, 1], "seqs": [1, -1]}),
+        (0, {"envs": "01", "seqs": [1, 1]}),
+    ],
+)
+def test_malformed_results_headers_raise_protocol_error(env, body):
+    with pytest.raises(ProtocolError):
+        results_rows(Header(Command.RESULTS, env, 0, body=body), 2)
+
+
+def test_joined_frames_of_the_wrong_size_or_layout_raise_protocol_error():
+    encoder = Encoder()
+    decoder = _learned(encoder)
+    [message] = result_messages(_rows(encoder, [1.0, 2.0]), b"")
+    header, frames = Header.decode(message[0]), as_received(message[1:])
+    assert len(decoder.decode_rows(header, frames, 2)) == 2
+    short = [memoryview(bytes(frames[0])[:-1])]
+    with pytest.raises(ProtocolError, match="joined frame"):
+        decoder.decode_rows(header, short, 2)
+    with pytest.raises(ProtocolError, match="joined frame"):
+        decoder.decode_rows(header, frames, 3)  # the frame holds two rows, not three
+    with pytest.raises(ProtocolError, match="frames"):
+        decoder.decode_rows(header, [*frames, b""], 2)
+    with pytest.raises(ProtocolError, match="unknown layout"):
+        Decoder().decode_rows(header, frames, 2)
+    labelled = TensorDict({"obs": torch.ones(3)}, [])
+    labelled.set_non_tensor("label", "x")
+    tagged = ResultRow(0, 1, [encoder.encode(labelled)])
+    decoder.decode(Header.decode(tagged.message(b"")[0]), tagged.message(b"")[1:])
+    nontensor = Header(Command.RESULTS, 0, 0, layouts=(tagged.parts[0].layout_id,))
+    with pytest.raises(ProtocolError, match="tensors only"):
+        decoder.decode_rows(nontensor, tagged.message(b"")[1:], 2)

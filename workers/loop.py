@@ -5,7 +5,8 @@ heartbeats); its PUSH connects to the pool's results PULL. One command in,
 one reply out, in order, for each env. A BATCH from the pool (the commands of
 one call for this worker's envs) is taken apart and each command handled in
 turn; when the envs run in this thread (no env threads, or one env), their
-replies go back as a BATCH too, once the last has run (wire: batches). The
+replies go back as a BATCH too, once the last has run (wire: batches), those
+of one layout as one RESULTS, rows joined (wire: rows joined). The
 loop only moves frames: what a command does to an env is
 :mod:`workers.hosting`'s business.
 
@@ -86,7 +87,14 @@ from zmqpool.protocol import (
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.specs import spec_to_data
 from zmqpool.throttle import log_throttled
-from zmqpool.wire import Command, Header, batch_messages, encode_message, split_batch
+from zmqpool.wire import (
+    Command,
+    Header,
+    ResultRow,
+    batch_messages,
+    result_messages,
+    split_batch,
+)
 
 log = logging.getLogger("workers")
 
@@ -171,7 +179,7 @@ class Worker:
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
         self._send_lock = threading.Lock()
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
-        self._outbox: list[list[Any]] | None = None
+        self._outbox: list[ResultRow | list[Any]] | None = None
         #: How long each hosted env's last command run inline took (s).
         self._step_s: dict[int, float] = {}
         self._stop = threading.Event()
@@ -465,7 +473,7 @@ class Worker:
         return self.runners is None or len(self.host.envs) < 2
 
     def _flush_outbox(self, reopen: bool = False) -> None:
-        """Send the replies kept during a batch: in order, small ones as batches themselves.
+        """Send the replies kept during a batch, in order: rows joined, small messages batched.
 
         ``reopen``: keep the replies of the batch's next commands again.
         """
@@ -475,7 +483,7 @@ class Worker:
         # The batch's env names this worker to the pool: one it hosts.
         env = next(iter(self.host.envs), -1)
         with self._send_lock:
-            for frames in batch_messages(outbox, env, self.token):
+            for frames in batch_messages(result_messages(outbox, self.token), env, self.token):
                 self._push(frames)
 
     def _execute(self, header: Header, frames: list[Any]) -> None:
@@ -498,11 +506,11 @@ class Worker:
         try:
             out = self.host.run(header.command, header.env, td, header.body)
             with self._send_lock:  # the encoder's layout ids and the socket are shared
-                reply = encode_message(
-                    Header(Command.RESULT, header.env, header.seq, self.token),
-                    [self.encoder.encode(part) for part in out],
-                )
-                self._send_unlocked(reply)
+                row = ResultRow(header.env, header.seq, [self.encoder.encode(p) for p in out])
+                if self._outbox is not None:  # a batch runs inline: rows may be joined
+                    self._outbox.append(row)
+                else:
+                    self._push(row.message(self.token))
             return
         except Exception as err:
             reply = self._error_reply(header, err)

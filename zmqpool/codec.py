@@ -497,6 +497,41 @@ class Decoder:
             start = end
         return parts
 
+    def decode_rows(
+        self, header: Header, frames: Sequence[Any], rows: int
+    ) -> list[list[DecodedPart]]:
+        """A RESULTS message's parts, row by row: views on its joined frames.
+
+        Each frame must be exactly ``rows`` times its layout's size, and its
+        layouts known and free of non-tensors (a RESULTS announces nothing and
+        carries tensors only): checked before any view is made.
+        """
+        layouts = [self._layout(i) for i in header.layouts]
+        if any(layout.nontensor_keys for layout in layouts):
+            raise ProtocolError("rows joined carry tensors only")
+        sizes = [size for layout in layouts for size in layout.frame_sizes]
+        if len(frames) != len(sizes):
+            raise ProtocolError(f"message has {len(frames)} frames, layouts say {len(sizes)}")
+        joined = [_bytes_view(frame) for frame in frames]
+        for buffer, size in zip(joined, sizes, strict=True):
+            if buffer.nbytes != rows * size:
+                raise ProtocolError(
+                    f"joined frame of {buffer.nbytes} bytes where {rows} rows take {rows * size}"
+                )
+        return [self._row(layouts, joined, sizes, row) for row in range(rows)]
+
+    @staticmethod
+    def _row(
+        layouts: list[Layout], joined: list[memoryview], sizes: list[int], row: int
+    ) -> list[DecodedPart]:
+        buffers = [b[row * size : (row + 1) * size] for b, size in zip(joined, sizes, strict=True)]
+        parts, start = [], 0
+        for layout in layouts:
+            end = start + layout.num_frames
+            parts.append(DecodedPart(layout, buffers[start:end], []))
+            start = end
+        return parts
+
     def _layout(self, layout_id: int) -> Layout:
         layout = self._layouts.get(layout_id)
         if layout is None:
@@ -558,6 +593,11 @@ def _buffer(frame: Any) -> memoryview:
         return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
     except TypeError:
         raise ProtocolError(f"a frame must be bytes, not {type(frame).__name__}") from None
+
+
+def _bytes_view(frame: Any) -> memoryview:
+    buffer = _buffer(frame)
+    return buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
 
 
 def _checked_buffers(layout: Layout, frames: Sequence[Any]) -> list[memoryview]:

@@ -16,13 +16,13 @@ from typing import Any
 import zmq
 
 from zmqpool.admission import peer_key
-from zmqpool.codec import Decoder
+from zmqpool.codec import DecodedPart
 from zmqpool.errors import EnvError, ProtocolError
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
 from zmqpool.roster import EnvRecord, Roster
 from zmqpool.state import Ledger, Pending, Reply
-from zmqpool.wire import Command, Header, split_batch
+from zmqpool.wire import Command, Header, results_rows, split_batch
 
 log = logging.getLogger("zmqpool")
 
@@ -48,6 +48,10 @@ class Intake:
             record = self._sender(header, remote, frames[0])
             if record is not None:
                 self._on_reply(header, frames, record)
+        elif command is Command.RESULTS:
+            record = self._sender(header, remote, frames[0])
+            if record is not None:
+                self._on_results(header, frames[1:], record)
         elif command is Command.BATCH:
             self._on_batch(header, frames, remote)
         else:
@@ -95,7 +99,7 @@ class Intake:
             inner = self._header(message[0])
             if inner is None:
                 continue
-            if inner.command is not Command.RESULT and inner.command is not Command.ERROR:
+            if inner.command not in _BATCHABLE:
                 self.ledger.drop("a batch may carry results and errors only")
                 continue
             record = self._sender(inner, remote, None)
@@ -104,7 +108,38 @@ class Intake:
             if record.link is not link:
                 self.ledger.drop("a batched result for another worker's env")
                 continue
-            self._on_reply(inner, message, record)
+            if inner.command is Command.RESULTS:
+                self._on_results(inner, message[1:], record)
+            else:
+                self._on_reply(inner, message, record)
+
+    def _on_results(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
+        """Several envs' results, rows joined (wire: rows joined): each taken as its own RESULT.
+
+        Refused whole (dropped, counted) unless every env listed is the
+        sender's; broken frames answer each listed env's request with the error.
+        """
+        link = record.link
+        assert link is not None
+        try:
+            envs, seqs = results_rows(header, len(link.envs))
+        except ProtocolError as err:
+            self.ledger.drop(f"malformed results: {err}")
+            return
+        envs_ = self.roster.envs
+        if any(not 0 <= env < len(envs_) or envs_[env].link is not link for env in envs):
+            self.ledger.drop("results for an env that is not the sender's")
+            return
+        try:
+            rows: list[Any] = link.decoder.decode_rows(header, frames, len(envs))
+        except ProtocolError as err:
+            rows = [err] * len(envs)
+        now = time.monotonic()
+        self.liveness.heard(link.identity, now)
+        for env, seq, parts in zip(envs, seqs, rows, strict=True):
+            pending = self.ledger.match(env, seq, now)
+            if pending is not None:
+                self.ledger.deliver(_checked_reply(env, pending, parts, envs_[env].check))
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
         """A result or error from the worker of ``record``: the answer to its oldest request."""
@@ -122,7 +157,11 @@ class Intake:
             if kind is FailureKind.ENV and self._handled_as_crash(header.env, reply):
                 return
         else:
-            reply = self._reply(header, pending, frames[1:], link.decoder, record.check)
+            try:
+                parts: list[DecodedPart] | ProtocolError = link.decoder.decode(header, frames[1:])
+            except ProtocolError as err:  # the request was real: answer it with the error
+                parts = err
+            reply = _checked_reply(header.env, pending, parts, record.check)
         self.ledger.deliver(reply)
 
     def _handled_as_crash(self, env: int, reply: Reply) -> bool:
@@ -130,21 +169,22 @@ class Intake:
             return False
         return self.on_env_error(env, reply.pending, reply.error)
 
-    @staticmethod
-    def _reply(
-        header: Header, pending: Pending, frames: list[Any], decoder: Decoder, check: Any
-    ) -> Reply:
-        """The reply to ``pending``: its parts decoded and held to the env's specs (``check``)."""
-        try:
-            parts = decoder.decode(header, frames)
-        except ProtocolError as err:
-            # The request was real; its reply is broken: answer it with the error.
-            return Reply(header.env, pending, error=EnvError(header.env, f"malformed reply: {err}"))
-        for part in parts:
-            wrong = check(part.layout)
-            if wrong:  # it would break the stack of the whole batch: this env's error alone
-                return Reply(header.env, pending, error=EnvError(header.env, wrong))
-        return Reply(header.env, pending, parts=parts, synthesized=pending.synth)
+
+#: What a batch of replies may carry.
+_BATCHABLE = (Command.RESULT, Command.ERROR, Command.RESULTS)
+
+
+def _checked_reply(
+    env: int, pending: Pending, parts: list[DecodedPart] | ProtocolError, check: Any
+) -> Reply:
+    """The reply to ``pending``: its parts held to the env's specs (``check``), or the error."""
+    if isinstance(parts, ProtocolError):
+        return Reply(env, pending, error=EnvError(env, f"malformed reply: {parts}"))
+    for part in parts:
+        wrong = check(part.layout)
+        if wrong:  # it would break the stack of the whole batch: this env's error alone
+            return Reply(env, pending, error=EnvError(env, wrong))
+    return Reply(env, pending, parts=parts, synthesized=pending.synth)
 
 
 def _env_error(header: Header) -> tuple[EnvError, FailureKind | None]:

@@ -134,6 +134,19 @@ all. A receiver checks the counts and sizes against the joined frame, and the
 number of messages against what the peer may have in flight, before it makes
 a view of it: a batch allocates nothing (the views share the joined frame).
 
+Rows joined. Inside such a worker's batch of replies, the results of envs
+whose parts have the same layouts (already announced, tensors only, each of at
+most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`) travel as one
+``RESULTS`` message (:func:`result_messages`, :func:`results_rows`): its header
+carries the first env, seq 0, the worker's token, the shared layout ids and
+the body ``{"envs": [env, ...], "seqs": [seq, ...]}``; frame ``i`` after it is
+every env's frame ``i``, back to back in the order of ``envs``, so one frame
+of ``rows`` times the layout's size. It is taken as one RESULT per env, in
+that order, each matched to its own awaited seq and held to its own env's
+specs. The pool refuses it whole unless every env is the sender's, none comes
+twice, there are at least two and at most the sender's envs, and each frame is
+exactly ``rows`` times the layout's; it then makes views, allocating nothing.
+
 Limits. Every count, length and size a peer sends is held to a bound of
 :mod:`zmqpool.limits` before anything is allocated. A layout is refused when it
 breaks the tree a tensordict can be (a key twice, a key both a leaf and a
@@ -177,7 +190,9 @@ if TYPE_CHECKING:
 #: tensors), which a version-1 pool would refuse as malformed specs.
 #: 3: several small messages may travel as one (:data:`Command.BATCH`), which a
 #: version-2 peer would refuse, losing the requests or replies inside.
-PROTOCOL_VERSION = 3
+#: 4: the results of several envs may travel with their rows joined
+#: (:data:`Command.RESULTS`), which a version-3 pool would drop.
+PROTOCOL_VERSION = 4
 
 
 class Command(enum.IntEnum):
@@ -201,6 +216,7 @@ class Command(enum.IntEnum):
     # worker -> pool, on the results PULL
     RESULT = 30
     ERROR = 31  # the env raised: body["err"], body["tb"]
+    RESULTS = 32  # several envs' results, rows joined: body["envs"], body["seqs"]
     # either way, on a command's or a result's socket
     BATCH = 40  # several messages in one: body["n"] frames each, body["len"] bytes per frame
 
@@ -350,6 +366,106 @@ class _Run:
         body = {"n": [len(frames) for frames in self.messages], "len": self.sizes}
         joined = b"".join(frame for frames in self.messages for frame in frames)
         return [Header(Command.BATCH, env, 0, token, body=body).encode(), joined]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResultRow:
+    """One env's result on its way out of a worker, still as encoded parts.
+
+    A worker keeps these, rather than messages, while a batch runs inline, so
+    that :func:`result_messages` can join the rows of envs whose results share
+    their layouts.
+    """
+
+    env: int
+    seq: int
+    parts: list[EncodedPart]
+
+    def joinable_nbytes(self) -> int | None:
+        """This row's bytes, if it may be joined with others (nothing announced, tensors only,
+        at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`); else None."""
+        if any(p.new_layout is not None or p.nontensor for p in self.parts):
+            return None
+        nbytes = sum(memoryview(f).nbytes for p in self.parts for f in p.frames)
+        return nbytes if nbytes <= MAX_BATCHED_MESSAGE_BYTES else None
+
+    def layout_ids(self) -> tuple[int, ...]:
+        return tuple(p.layout_id for p in self.parts)
+
+    def message(self, token: bytes) -> list[Any]:
+        """This row alone: a RESULT message."""
+        return encode_message(Header(Command.RESULT, self.env, self.seq, token), self.parts)
+
+
+def result_messages(outbox: Sequence[ResultRow | list[Any]], token: bytes) -> list[list[Any]]:
+    """A worker's kept replies as messages: runs of rows of the same layouts joined.
+
+    Consecutive joinable :class:`ResultRow` s whose parts have the same layout
+    ids become one :data:`Command.RESULTS` (:func:`pack_results`), of at most
+    :data:`~zmqpool.limits.MAX_BATCH_BYTES`; any other row becomes its own
+    RESULT, and a message (an error reply) stays as it is. The order is kept.
+    """
+    out: list[list[Any]] = []
+    run: list[ResultRow] = []
+    nbytes = 0
+    for entry in outbox:
+        row = entry if isinstance(entry, ResultRow) else None
+        size = None if row is None else row.joinable_nbytes()
+        if run and (row is None or size is None or not _joins(run, row, nbytes + size)):
+            out.append(pack_results(run, token))
+            run, nbytes = [], 0
+        if row is not None and size is not None:
+            run.append(row)
+            nbytes += size
+        elif isinstance(entry, ResultRow):
+            out.append(entry.message(token))
+        else:
+            out.append(entry)
+    if run:
+        out.append(pack_results(run, token))
+    return out
+
+
+def _joins(run: list[ResultRow], row: ResultRow, nbytes: int) -> bool:
+    return row.layout_ids() == run[0].layout_ids() and nbytes <= MAX_BATCH_BYTES
+
+
+def pack_results(rows: Sequence[ResultRow], token: bytes) -> list[Any]:
+    """One RESULTS message for ``rows`` (of the same layouts); a single row: its RESULT.
+
+    Frame ``i`` after the header is every row's frame ``i``, back to back in
+    the order of ``envs``: what the pool stacks anyway (:func:`zmqpool.batching.stack_parts`).
+    """
+    if len(rows) == 1:
+        return rows[0].message(token)
+    body = {"envs": [r.env for r in rows], "seqs": [r.seq for r in rows]}
+    header = Header(Command.RESULTS, rows[0].env, 0, token)
+    frames: list[Any] = [_pack_header(header, list(rows[0].layout_ids()), body)]
+    columns = zip(*[[f for p in r.parts for f in p.frames] for r in rows], strict=True)
+    frames += [b"".join(column) for column in columns]
+    return frames
+
+
+def results_rows(header: Header, max_rows: int) -> tuple[list[int], list[int]]:
+    """A RESULTS header's envs and seqs, checked: exact ints, as many of each, no env twice.
+
+    At least two rows and at most ``max_rows`` (the sender's envs); the first
+    env is the header's own (the one its sender is found by). Raises
+    :class:`ProtocolError`. Whether the envs are the sender's is the pool's check.
+    """
+    body = header.body
+    if body is None or body.keys() != {"envs", "seqs"}:
+        raise ProtocolError('a RESULTS body must hold exactly "envs" and "seqs"')
+    envs, seqs = body["envs"], body["seqs"]
+    if type(envs) is not list or type(seqs) is not list or len(envs) != len(seqs):
+        raise ProtocolError("RESULTS envs and seqs must be lists of one length")
+    if not 2 <= len(envs) <= max_rows:
+        raise ProtocolError(f"RESULTS of {len(envs)} rows, where 2 to {max_rows} fit")
+    if any(not is_int(e) for e in envs) or any(not is_int(s) or s < 0 for s in seqs):
+        raise ProtocolError("RESULTS envs and seqs must be integers (seqs >= 0)")
+    if envs[0] != header.env or len(set(envs)) != len(envs):
+        raise ProtocolError("RESULTS envs must start with the header's env, each once")
+    return envs, seqs
 
 
 def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> list[list[memoryview]]:
