@@ -1,9 +1,10 @@
 """Results in: each one checked against the roster and the ledger, decoded, and made a reply.
 
 A result counts only if it comes on the side its worker registered on, for
-an env that worker hosts now, with the token it was given, for the oldest
-request in flight on that env. Anything else is counted (by reason) and
-dropped, with a log line that does not flood.
+an env that worker hosts now (every env of a RESULTS, rows joined, too), with
+the token it was given, for the oldest request in flight on that env.
+Anything else is counted (by reason) and dropped, with a log line that does
+not flood.
 """
 
 from __future__ import annotations
@@ -126,20 +127,22 @@ class Intake:
         except ProtocolError as err:
             self.ledger.drop(f"malformed results: {err}")
             return
-        envs_ = self.roster.envs
-        if any(not 0 <= env < len(envs_) or envs_[env].link is not link for env in envs):
+        records = self.roster.envs
+        if any(not 0 <= env < len(records) or records[env].link is not link for env in envs):
             self.ledger.drop("results for an env that is not the sender's")
             return
         try:
-            rows: list[Any] = link.decoder.decode_rows(header, frames, len(envs))
-        except ProtocolError as err:
+            rows: list[list[DecodedPart] | ProtocolError] = list(
+                link.decoder.decode_rows(header, frames, len(envs))
+            )
+        except ProtocolError as err:  # the requests were real: answer each with the error
             rows = [err] * len(envs)
         now = time.monotonic()
         self.liveness.heard(link.identity, now)
         for env, seq, parts in zip(envs, seqs, rows, strict=True):
             pending = self.ledger.match(env, seq, now)
             if pending is not None:
-                self.ledger.deliver(_checked_reply(env, pending, parts, envs_[env].check))
+                self.ledger.deliver(_checked_reply(env, pending, parts, records[env].check))
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
         """A result or error from the worker of ``record``: the answer to its oldest request."""
