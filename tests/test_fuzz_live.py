@@ -673,20 +673,26 @@ def test_a_batch_run_inline_is_answered_by_one_batch(tmp_path):
 
 
 def test_rows_of_one_layout_are_answered_joined(tmp_path):
-    """Once the layout is announced, a batch's replies are one RESULTS: rows joined."""
+    """Once the layout is announced, a batch's replies are one RESULTS: rows joined.
+
+    The layout is announced by a lone step (not a batch), so no env has a step
+    time on record and no reply is sent early, however slow this machine.
+    """
     worker, decoder, encoder = two_env_worker(tmp_path, env_threads=False), Decoder(), Encoder()
     try:
-        assert worker.handle(batch_of_steps(encoder, {0: 1, 1: 1}))
-        for reply in replies_in(worker.push.sent.pop()):  # announces the reply's layout
-            decoder.decode(Header.decode(reply[0]), reply[1:])
-        assert worker.handle(batch_of_steps(encoder, {1: 2, 0: 2}))
+        action = TensorDict({"action": torch.tensor([0.25])}, [])
+        assert worker.handle(command(Header(Command.STEP, 1, 1), action, encoder))
+        [announcing] = worker.push.sent
+        decoder.decode(Header.decode(announcing[0]), announcing[1:])
+        worker.push.sent.clear()
+        assert worker.handle(batch_of_steps(encoder, {1: 2, 0: 1}))
         [message] = worker.push.sent
         header = Header.decode(message[0])
         assert (header.command, header.env, header.token) == (Command.RESULTS, 1, worker.token)
-        assert header.body == {"envs": [1, 0], "seqs": [2, 2]}  # in the batch's order
+        assert header.body == {"envs": [1, 0], "seqs": [2, 1]}  # in the batch's order
         rows = decoder.decode_rows(header, message[1:], 2)
         observed = [parts[0].to_tensordict()["observation"][:2].tolist() for parts in rows]
-        assert observed == [[8.0, 2.0], [7.0, 2.0]]
+        assert observed == [[8.0, 2.0], [7.0, 1.0]]
     finally:
         worker.close()
 
