@@ -506,11 +506,8 @@ class Worker:
         try:
             out = self.host.run(header.command, header.env, td, header.body)
             with self._send_lock:  # the encoder's layout ids and the socket are shared
-                row = ResultRow(header.env, header.seq, [self.encoder.encode(p) for p in out])
-                if self._outbox is not None:  # a batch runs inline: rows may be joined
-                    self._outbox.append(row)
-                else:
-                    self._push(row.message(self.token))
+                parts = [self.encoder.encode(part) for part in out]
+                self._send_unlocked(ResultRow(header.env, header.seq, parts))
             return
         except Exception as err:
             reply = self._error_reply(header, err)
@@ -520,9 +517,12 @@ class Worker:
         with self._send_lock:
             self._send_unlocked(reply)
 
-    def _send_unlocked(self, reply: list[Any]) -> None:
+    def _send_unlocked(self, reply: ResultRow | list[Any]) -> None:
+        """Send a reply (a result still as its row, or a message), or keep it in the outbox."""
         if self._outbox is not None:  # a batch runs inline: its replies go when it ends
-            self._outbox.append(reply)
+            self._outbox.append(reply)  # where results of one layout may be joined
+        elif isinstance(reply, ResultRow):
+            self._push(reply.message(self.token))
         else:
             self._push(reply)
 

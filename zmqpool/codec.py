@@ -486,16 +486,12 @@ class Decoder:
         if body is not None:  # most messages have none: nothing announced, no non-tensors
             self.learn(body)
         layouts = [self._layout(i) for i in header.layouts]
-        expected = sum([layout.num_frames for layout in layouts])
-        if len(frames) != expected:
+        sizes = [size for layout in layouts for size in layout.frame_sizes]
+        if len(frames) != len(sizes):
+            expected = len(sizes)
             raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
         nontensor = _nontensor_lists(body, layouts)
-        parts, start = [], 0
-        for layout, values in zip(layouts, nontensor, strict=True):
-            end = start + layout.num_frames
-            parts.append(DecodedPart(layout, _checked_buffers(layout, frames[start:end]), values))
-            start = end
-        return parts
+        return _by_part(layouts, _checked_buffers(sizes, frames), nontensor)
 
     def decode_rows(
         self, header: Header, frames: Sequence[Any], rows: int
@@ -518,19 +514,11 @@ class Decoder:
                 raise ProtocolError(
                     f"joined frame of {buffer.nbytes} bytes where {rows} rows take {rows * size}"
                 )
-        return [self._row(layouts, joined, sizes, row) for row in range(rows)]
-
-    @staticmethod
-    def _row(
-        layouts: list[Layout], joined: list[memoryview], sizes: list[int], row: int
-    ) -> list[DecodedPart]:
-        buffers = [b[row * size : (row + 1) * size] for b, size in zip(joined, sizes, strict=True)]
-        parts, start = [], 0
-        for layout in layouts:
-            end = start + layout.num_frames
-            parts.append(DecodedPart(layout, buffers[start:end], []))
-            start = end
-        return parts
+        out = []
+        for r in range(rows):
+            buffers = [b[r * n : (r + 1) * n] for b, n in zip(joined, sizes, strict=True)]
+            out.append(_by_part(layouts, buffers, [[] for _ in layouts]))
+        return out
 
     def _layout(self, layout_id: int) -> Layout:
         layout = self._layouts.get(layout_id)
@@ -600,14 +588,26 @@ def _bytes_view(frame: Any) -> memoryview:
     return buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
 
 
-def _checked_buffers(layout: Layout, frames: Sequence[Any]) -> list[memoryview]:
+def _checked_buffers(sizes: list[int], frames: Sequence[Any]) -> list[memoryview]:
     buffers = []
-    for frame, size in zip(frames, layout.frame_sizes, strict=True):
+    for frame, size in zip(frames, sizes, strict=True):
         buffer = _buffer(frame)
         if buffer.nbytes != size:
             raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
         buffers.append(buffer)
     return buffers
+
+
+def _by_part(
+    layouts: list[Layout], buffers: list[memoryview], nontensor: list[list[Any]]
+) -> list[DecodedPart]:
+    """The parts of a message: each layout takes its frames' buffers, in order."""
+    parts, start = [], 0
+    for layout, values in zip(layouts, nontensor, strict=True):
+        end = start + layout.num_frames
+        parts.append(DecodedPart(layout, buffers[start:end], values))
+        start = end
+    return parts
 
 
 def _unpack(layout: Layout, buffers: Sequence[memoryview]) -> list[torch.Tensor]:

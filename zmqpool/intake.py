@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -132,8 +132,8 @@ class Intake:
             self.ledger.drop("results for an env that is not the sender's")
             return
         try:
-            rows: list[list[DecodedPart] | ProtocolError] = list(
-                link.decoder.decode_rows(header, frames, len(envs))
+            rows: Sequence[list[DecodedPart] | ProtocolError] = link.decoder.decode_rows(
+                header, frames, len(envs)
             )
         except ProtocolError as err:  # the requests were real: answer each with the error
             rows = [err] * len(envs)

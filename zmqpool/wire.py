@@ -409,25 +409,31 @@ def result_messages(outbox: Sequence[ResultRow | list[Any]], token: bytes) -> li
     run: list[ResultRow] = []
     nbytes = 0
     for entry in outbox:
-        row = entry if isinstance(entry, ResultRow) else None
-        size = None if row is None else row.joinable_nbytes()
-        if run and (row is None or size is None or not _joins(run, row, nbytes + size)):
+        joinable = _joinable(entry)
+        if run and (joinable is None or not _joins(run, *joinable, nbytes)):
             out.append(pack_results(run, token))
             run, nbytes = [], 0
-        if row is not None and size is not None:
-            run.append(row)
-            nbytes += size
-        elif isinstance(entry, ResultRow):
-            out.append(entry.message(token))
+        if joinable is None:
+            out.append(entry.message(token) if isinstance(entry, ResultRow) else entry)
         else:
-            out.append(entry)
+            run.append(joinable[0])
+            nbytes += joinable[1]
     if run:
         out.append(pack_results(run, token))
     return out
 
 
-def _joins(run: list[ResultRow], row: ResultRow, nbytes: int) -> bool:
-    return row.layout_ids() == run[0].layout_ids() and nbytes <= MAX_BATCH_BYTES
+def _joinable(entry: ResultRow | list[Any]) -> tuple[ResultRow, int] | None:
+    """The row and its bytes, if ``entry`` is a row that may be joined; else None."""
+    if not isinstance(entry, ResultRow):
+        return None
+    nbytes = entry.joinable_nbytes()
+    return None if nbytes is None else (entry, nbytes)
+
+
+def _joins(run: list[ResultRow], row: ResultRow, nbytes: int, joined_nbytes: int) -> bool:
+    same = row.layout_ids() == run[0].layout_ids()
+    return same and joined_nbytes + nbytes <= MAX_BATCH_BYTES
 
 
 def pack_results(rows: Sequence[ResultRow], token: bytes) -> list[Any]:
