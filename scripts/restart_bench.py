@@ -26,6 +26,9 @@ from zmqpool import PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv
 
 STEP_S = 0.002  # each step sleeps this long, so a kill lands inside a step
+#: a kill with no truncation this long after it missed the step; the script kills again.
+MISSED_KILL_S = 5.0
+GIVE_UP_S = 60.0
 
 
 def make_pool(num_envs: int, fork_server: bool) -> ZMQAsyncEnvPool:
@@ -39,6 +42,15 @@ def send(pool: ZMQAsyncEnvPool, envs: list[int]) -> None:
     pool.async_step_send(td, env_index=envs)
 
 
+def kill_victim(pool: ZMQAsyncEnvPool, victim: int) -> float:
+    """SIGKILL ``victim``'s worker half-way through the step it was just sent; when."""
+    time.sleep(STEP_S / 2)
+    pid = pool.worker_pid(victim)
+    assert pid is not None, f"env {victim} has no local worker process"
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
 def run_loop(pool: ZMQAsyncEnvPool, seconds: float, victim: int, kill: bool) -> tuple[float, float]:
     """Step all envs; with ``kill``, SIGKILL the victim's worker mid-step and stop at its reply.
 
@@ -48,18 +60,20 @@ def run_loop(pool: ZMQAsyncEnvPool, seconds: float, victim: int, kill: bool) -> 
     num_envs = pool.num_envs
     send(pool, list(range(num_envs)))
     start, healthy, latency = time.monotonic(), 0, float("nan")
-    if kill:
-        time.sleep(STEP_S / 2)
-        pid = pool.worker_pid(victim)
-        assert pid is not None, f"env {victim} has no local worker process"
-        os.kill(pid, signal.SIGKILL)
+    killed_at = kill_victim(pool, victim) if kill else start
     while (kill and latency != latency) or (not kill and time.monotonic() - start < seconds):
+        if kill and time.monotonic() - killed_at > MISSED_KILL_S:
+            # On a loaded machine the step may have ended before the kill: the worker
+            # died idle and came back with nothing in flight to truncate. Again.
+            if time.monotonic() - start > GIVE_UP_S:
+                raise RuntimeError(f"no kill of env {victim}'s worker landed in a step")
+            killed_at = kill_victim(pool, victim)
         # No timeout: it is a deadline that would hold the healthy envs' results back
         # until the victim's truncation (deadline batching); the pool restarts the victim.
         out = pool.async_step_recv(min_get=1)
         envs = [int(i) for i in out["env_index"]]
         if victim in pool.last_restarted_envs:
-            latency = time.monotonic() - start
+            latency = time.monotonic() - killed_at
         healthy += sum(1 for e in envs if e != victim)
         send(pool, envs)
     elapsed = time.monotonic() - start

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_remote_host
-from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool import PoolConfig, ZMQAsyncEnvPool, keep_fork_server
 from zmqpool.security import write_keys
 from zmqpool.testing import CountingEnv
 
@@ -27,6 +27,19 @@ FAST = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
 
 def counting_kwargs(n: int = NUM_ENVS, **extra) -> list[dict]:
     return [{"env_id": i, **extra} for i in range(n)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_fork_server():
+    """Every pool of this session forks its workers from one fork server, kept between pools.
+
+    A fork server imports torch and torchrl (seconds of CPU): kept, each pool
+    after the first starts in milliseconds. Tests that kill a fork server use
+    one of their own (``share_fork_server=False``), so no other pool's workers
+    die with it.
+    """
+    with keep_fork_server():
+        yield
 
 
 @pytest.fixture(scope="session")

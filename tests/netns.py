@@ -32,7 +32,10 @@ def _run(*argv: str) -> None:
 def make_remote_host() -> RemoteHost:
     tag = os.getpid() % 10_000
     name, host_if, ns_if = f"zmqp{tag}", f"zp{tag}a", f"zp{tag}b"
-    octet = tag % 250 + 1
+    # pytest-xdist's workers (gw0, gw1) make their hosts at once: one takes odd
+    # subnets and the other even ones, so two hosts never share a route.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    octet = (tag % 125) * 2 + 1 + worker % 2
     pool_ip, worker_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
     if shutil.which("ip") is None or os.geteuid() != 0:
         return RemoteHost(None, "127.0.0.1", "needs root and iproute2's ip")

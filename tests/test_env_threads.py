@@ -61,7 +61,7 @@ def test_without_env_threads_they_step_one_after_another():
         step_both(sequential, wait_s=0.5)
 
 
-@pytest.mark.parametrize("field", ["env_threads", "fork_server"])
+@pytest.mark.parametrize("field", ["env_threads", "fork_server", "share_fork_server"])
 def test_switches_must_be_bools(field):
     with pytest.raises(ValueError, match=f"PoolConfig.{field} must be a bool, got 1"):
         PoolConfig(**{field: 1})

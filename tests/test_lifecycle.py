@@ -90,7 +90,8 @@ DROPPED = textwrap.dedent(
     from zmqpool import ZMQAsyncEnvPool
     from zmqpool.testing import CountingEnv
     pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}])
-    print(" ".join(str(p.pid) for p in pool.worker_processes().values()))
+    pids = [p.pid for p in pool.worker_processes().values()] + [pool.fork_server_pid]
+    print(" ".join(str(pid) for pid in pids))  # its fork server ends with it too
     print(pool.runtime.resources.directory, flush=True)
     pool.reset()
     if sys.argv[1] == "drop":

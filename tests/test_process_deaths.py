@@ -32,11 +32,14 @@ from zmqpool.launcher import ENV_THREAD_DIED, ForkServerWarning
 from zmqpool.roster import WorkerRecord
 from zmqpool.testing import CountingEnv
 
+#: Fork servers are killed here: each pool has its own, so that the session's
+#: other pools (sharing one, ``tests/conftest.py``) lose no worker with it.
 QUICK = PoolConfig(
     register_timeout_s=90.0,
     close_timeout_s=2.0,
     restart_backoff_s=0.01,
     max_restarts=100,
+    share_fork_server=False,
 )
 
 

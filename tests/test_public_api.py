@@ -20,6 +20,7 @@ def test_public_names_are_pinned():
         "ZMQAsyncEnvPool",
         "ZMQPoolError",
         "__version__",
+        "keep_fork_server",
     ]
 
 

@@ -1,15 +1,19 @@
 """The fork server: pay for ``import torch, torchrl`` once, then fork each worker in milliseconds.
 
 A fresh interpreter needs seconds to import torchrl; a restart that waits for
-that keeps an env out of the run for as long. The pool starts this process
-once (``python -m workers.zygote PARENT_PID``); it imports the heavy modules,
-starts no thread and no ZeroMQ context (so forking is safe), and forks one
-child per request. It is local and trusted, like a worker's stdin.
+that keeps an env out of the run for as long. The trainer starts this process
+once for its pools (``python -m workers.zygote PARENT_PID``, shared as
+``zmqpool.forkservers`` says); it imports the heavy modules, starts no
+thread and no ZeroMQ context (so forking is safe), and forks one child per
+request. It is local and trusted, like a worker's stdin.
 
 Pipes, all binary:
 
 - stdin (pool -> zygote): requests, each an 8-byte big-endian length and a
-  cloudpickled ``{"argv": [...], "payload": bytes, "affinity": cpus|None}``.
+  cloudpickled ``{"argv": [...], "payload": bytes, "affinity": cpus|None,
+  "environ": {...}, "cwd": str}`` (the trainer's environment variables and
+  working directory at the request: the pools of a process share one zygote,
+  started with the first).
   End of file: exit.
 - stdout (zygote -> pool): 12-byte reports ``!iii`` = (kind, pid, status):
   ``READY`` once the imports are done, ``SPAWNED`` after each fork,
@@ -63,6 +67,10 @@ def _child(request: dict, report_fd: int) -> None:
     os.dup2(devnull, 0)
     code = 1
     try:
+        # The trainer's now: the pools of a process share a zygote started earlier.
+        os.environ.clear()
+        os.environ.update(request["environ"])
+        os.chdir(request["cwd"])
         if request.get("affinity") is not None:
             os.sched_setaffinity(0, set(request["affinity"]))
         from workers.cli import run

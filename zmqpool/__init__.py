@@ -25,11 +25,16 @@ from zmqpool.errors import (
 
 if TYPE_CHECKING:
     from zmqpool.config import PoolConfig
+    from zmqpool.forkservers import keep_fork_server
     from zmqpool.pool import ZMQAsyncEnvPool
 
 #: Imported on first use: they pull in torch and torchrl (seconds), which the
 #: CLI's --help and keygen do not need.
-_LAZY = {"PoolConfig": "zmqpool.config", "ZMQAsyncEnvPool": "zmqpool.pool"}
+_LAZY = {
+    "PoolConfig": "zmqpool.config",
+    "ZMQAsyncEnvPool": "zmqpool.pool",
+    "keep_fork_server": "zmqpool.forkservers",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -55,4 +60,5 @@ __all__ = [
     "ZMQAsyncEnvPool",
     "ZMQPoolError",
     "__version__",
+    "keep_fork_server",
 ]

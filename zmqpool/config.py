@@ -9,7 +9,13 @@ import dataclasses
 
 from zmqpool.codec import ZERO_COPY_THRESHOLD
 
-_BOOL_FIELDS = ("fork_server", "env_threads", "strict_inputs", "io_thread_batch_sched")
+_BOOL_FIELDS = (
+    "fork_server",
+    "share_fork_server",
+    "env_threads",
+    "strict_inputs",
+    "io_thread_batch_sched",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,11 @@ class PoolConfig:
     #: fork local workers from a process that imported torchrl once (restarts
     #: in milliseconds); False starts each worker as a fresh interpreter.
     fork_server: bool = True
+    #: fork them from the fork server this process's pools share (one torch
+    #: import for all of them; :func:`zmqpool.keep_fork_server` keeps it between
+    #: pools); False gives this pool one of its own, whose death (the OOM
+    #: killer) touches no other pool's workers.
+    share_fork_server: bool = True
     #: with ``envs_per_worker > 1``: step each of a worker's envs in its own
     #: thread (as torchrl does), so an env that waits does not hold up the
     #: others; False steps them one after another (cheaper for cheap envs), and

@@ -35,6 +35,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -167,6 +168,22 @@ SPAWNED, EXITED, READY = 1, 2, 3
 #: The exit code of a worker whose env thread died (``workers.threads``):
 #: sysexits' EX_SOFTWARE. Its traceback is on the worker's stderr.
 ENV_THREAD_DIED = 70
+
+#: One lock for every fork server of this process and for who holds them
+#: (:mod:`zmqpool.forkservers`): reading a zygote's end of file, under it,
+#: calls its ``on_death``, which may close it and start another; with one
+#: lock, no two threads can take two locks in opposite orders. Held for a
+#: fork (milliseconds, unless the zygote is still importing) and a read of
+#: its reports, never on an env step's path.
+FORK_LOCK = threading.RLock()
+
+
+def _new_fork_lock() -> None:
+    global FORK_LOCK
+    FORK_LOCK = threading.RLock()  # a forked child: another thread may have held ours
+
+
+os.register_at_fork(after_in_child=_new_fork_lock)
 
 #: New fork servers started after the first died, before the launcher gives up
 #: on them and starts fresh interpreters: a zygote the OOM killer keeps choosing
@@ -316,6 +333,10 @@ class ForkServer:
     we closed it). Nothing here ever reads a closed pipe: the processes it
     forked keep asking it for statuses after its death, and get what was
     read before.
+
+    The pools of one process may share it (:mod:`zmqpool.forkservers`), each
+    from its own thread: :data:`FORK_LOCK` keeps a request and the report
+    that answers it together.
     """
 
     def __init__(self, on_death: Callable[[ForkServer], None] | None = None) -> None:
@@ -335,6 +356,7 @@ class ForkServer:
         self._closing = False
         self._spawned: list[int] = []
         self._partial = b""
+        self._lock = FORK_LOCK
 
     @property
     def pid(self) -> int:
@@ -344,6 +366,10 @@ class ForkServer:
         """Whether it can still fork (reads what it reported so far; never waits)."""
         self._read_reports(0.0)
         return not (self.closed or self._eof or self.proc.poll() is not None)
+
+    def exited(self) -> bool:
+        """Whether it is known to be gone, without reading its pipe."""
+        return self.closed or self._eof or self.proc.poll() is not None
 
     def describe(self) -> str:
         """How it ended (after its death): ``killed by SIGKILL``."""
@@ -359,7 +385,20 @@ class ForkServer:
         within ``timeout_s`` (it is then killed).
         """
         argv = _with_parent(argv, self.proc.pid)  # a forked worker's parent is the zygote
-        request = cloudpickle.dumps({"argv": argv, "payload": payload, "affinity": cpu_affinity})
+        request = cloudpickle.dumps(
+            {
+                "argv": argv,
+                "payload": payload,
+                "affinity": cpu_affinity,
+                # The trainer's as they are now: a shared zygote started earlier.
+                "environ": _child_env(),
+                "cwd": os.getcwd(),
+            }
+        )
+        with self._lock:
+            return self._fork(request, timeout_s)
+
+    def _fork(self, request: bytes, timeout_s: float) -> ForkedProcess:
         if not self.alive():
             raise ForkServerDied(f"the fork server (pid {self.pid}) is dead")
         assert self.proc.stdin is not None
@@ -395,6 +434,10 @@ class ForkServer:
         return self.statuses.pop(pid, None)
 
     def _read_reports(self, timeout_s: float) -> None:
+        with self._lock:
+            self._read_reports_unlocked(timeout_s)
+
+    def _read_reports_unlocked(self, timeout_s: float) -> None:
         if self.closed or self._eof:
             return
         assert self.proc.stdout is not None
@@ -433,6 +476,10 @@ class ForkServer:
         just before) stays readable through :meth:`status_of`. A zygote still
         there after a second is killed.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self._closing = True
@@ -458,20 +505,49 @@ def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
     return argv
 
 
+class ForkServers(Protocol):
+    """Where a :class:`Launcher` gets its fork server, and gives it back.
+
+    :class:`PrivateForkServers` starts one per launcher and calls its
+    ``on_death`` as soon as any read finds the zygote gone;
+    :class:`zmqpool.forkservers.SharedForkServers` lends one to the pools of
+    a process, and each launcher sees its death itself, in its own thread, the
+    next time it asks whether it is alive. Either way the launcher then
+    releases the dead one and acquires another.
+    """
+
+    def acquire(self, on_death: Callable[[ForkServer], None]) -> ForkServer: ...
+    def release(self, server: ForkServer, on_death: Callable[[ForkServer], None]) -> None: ...
+
+
+class PrivateForkServers:
+    """A fork server of its own for each launcher: its death touches only that pool's workers."""
+
+    def acquire(self, on_death: Callable[[ForkServer], None]) -> ForkServer:
+        return ForkServer(on_death=on_death)
+
+    def release(self, server: ForkServer, on_death: Callable[[ForkServer], None]) -> None:
+        server.close()
+
+
 class Launcher:
     """Starts local workers, through the fork server when it is enabled and alive.
 
-    A dead fork server is replaced at once (the replacement imports torch in
-    the background; until it is ready, :meth:`start` raises
+    The fork server comes from ``servers`` (one of its own unless told). A
+    dead one is replaced at once (the replacement imports torch in the
+    background; until it is ready, :meth:`start` raises
     :class:`ForkServerStarting`), up to :data:`FORK_SERVER_REPLACEMENTS`
     times; then, or if a replacement cannot start, workers start as fresh
     interpreters. Each of these events is warned once
     (:class:`ForkServerWarning`, and the ``zmqpool`` log).
     """
 
-    def __init__(self, use_fork_server: bool, timeout_s: float) -> None:
+    def __init__(
+        self, use_fork_server: bool, timeout_s: float, servers: ForkServers | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.use_fork_server = use_fork_server
+        self.servers = servers if servers is not None else PrivateForkServers()
         self.fork_server: ForkServer | None = None
         #: how many fork servers were started to replace a dead one.
         self.replacements = 0
@@ -488,6 +564,12 @@ class Launcher:
         self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None
     ) -> WorkerProcess:
         """Start one worker; raises :class:`ForkServerStarting` while a replacement zygote loads."""
+        with FORK_LOCK:  # a shared zygote's death, read by another pool, replaces ours
+            return self._start(argv, payload, cpu_affinity)
+
+    def _start(
+        self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None
+    ) -> WorkerProcess:
         for _ in range(3):
             server = self._fork_server()
             if server is None:
@@ -523,7 +605,7 @@ class Launcher:
 
     def _new_fork_server(self, context: str = "") -> ForkServer | None:
         try:
-            return ForkServer(on_death=self._on_death)
+            return self.servers.acquire(self._on_death)
         except OSError as err:  # fork itself failed (memory, process limits)
             self._give_up(f"{context}could not start a fork server ({err})")
             return None
@@ -533,8 +615,8 @@ class Launcher:
         if server is not self.fork_server:
             return  # a fork server already replaced, or closed
         what = f"the fork server (pid {server.pid}) died ({server.describe()})"
-        server.close()
         self.fork_server = None
+        self.servers.release(server, self._on_death)
         if self.replacements >= FORK_SERVER_REPLACEMENTS:
             self._give_up(f"{what}, after {self.replacements} replacements")
             return
@@ -550,16 +632,17 @@ class Launcher:
     def _give_up(self, why: str) -> None:
         server, self.fork_server, self.use_fork_server = self.fork_server, None, False
         if server is not None:
-            server.close()
+            self.servers.release(server, self._on_death)
         _warn(
             f"{why}: local workers start as fresh interpreters from now on "
             "(a restart takes seconds, not milliseconds)"
         )
 
     def close(self) -> None:
-        if self.fork_server is not None:
-            self.fork_server.close()
-            self.fork_server = None
+        with FORK_LOCK:
+            server, self.fork_server = self.fork_server, None
+            if server is not None:
+                self.servers.release(server, self._on_death)
 
 
 def stop_all(processes: Sequence[WorkerProcess], timeout_s: float) -> None:

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 
 import zmq
 
+from zmqpool import forkservers
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
 from zmqpool.codec import layout_of
@@ -159,7 +160,8 @@ class Runtime:
             same_specs=plan.same_specs,
             remote_spec=plan.remote_spec,
         )
-        self.launcher = Launcher(config.fork_server, config.register_timeout_s)
+        servers = forkservers.SHARED if config.share_fork_server else None
+        self.launcher = Launcher(config.fork_server, config.register_timeout_s, servers)
         resources.launcher = self.launcher
         self.supervisor = Supervisor(
             self.roster, self.ledger, config, self.liveness, self.spawn, self.dispatch
