@@ -908,11 +908,12 @@ class TestBatchedWire(SameCallsOnBoth):
         return counting_makers(4)
 
     @pytest.fixture(scope="class")
-    def pool_pair(self):
+    @classmethod
+    def pool_pair(cls):
         inline = dataclasses.replace(FAST, env_threads=False)
         yield from serve(
-            AsyncEnvPool(self.makers(), backend="threading"),
-            lambda: ZMQAsyncEnvPool(self.makers(), envs_per_worker=2, config=inline),
+            AsyncEnvPool(cls.makers(), backend="threading"),
+            lambda: ZMQAsyncEnvPool(cls.makers(), envs_per_worker=2, config=inline),
         )
 
 
@@ -926,14 +927,15 @@ class TestNestedKeys(SameCallsOnBoth):
         return [functools.partial(NestedCountingEnv, start_val=i) for i in range(2)]
 
     @pytest.fixture(scope="class")
-    def pool_pair(self):
+    @classmethod
+    def pool_pair(cls):
         # torchrl differs: its AsyncEnvPool cannot reset NestedCountingEnv
         # (AttributeError: 'NoneType' object has no attribute 'update', in
         # _update_during_reset), not even on its per-env channel; SerialEnv
         # runs it: it is the oracle.
         yield from serve(
-            SerialEnv(2, self.makers()),
-            lambda: ZMQAsyncEnvPool(self.makers(), stack="maybe_dense", config=FAST),
+            SerialEnv(2, cls.makers()),
+            lambda: ZMQAsyncEnvPool(cls.makers(), stack="maybe_dense", config=FAST),
         )
 
     def test_check_env_specs(self, pair):
@@ -951,14 +953,15 @@ class TestBatchedChildren(SameCallsOnBoth):
         return [functools.partial(CountingEnv, start_val=i, batch_size=[2]) for i in range(2)]
 
     @pytest.fixture(scope="class")
-    def pool_pair(self):
+    @classmethod
+    def pool_pair(cls):
         # torchrl differs: its AsyncEnvPool cannot step batched children
         # (step() sets env_index = arange(N), an (N,) tensor, into an (N, 2)
         # tensordict: RuntimeError batch dimension mismatch), its env_index
         # after a reset is [[0, 0], [0, 0]], and its per-env channel raises
         # (RuntimeError: new batch size (1, 2) in a lazy TD). SerialEnv is the oracle.
         yield from serve(
-            SerialEnv(2, self.makers()), lambda: ZMQAsyncEnvPool(self.makers(), config=FAST)
+            SerialEnv(2, cls.makers()), lambda: ZMQAsyncEnvPool(cls.makers(), config=FAST)
         )
 
     def test_batch_size_is_n_by_b(self, pair):
@@ -980,13 +983,14 @@ class TestHeterogeneousCountingEnv(SameCallsOnBoth):
         return [functools.partial(HeterogeneousCountingEnv, start_val=i) for i in range(2)]
 
     @pytest.fixture(scope="class")
-    def pool_pair(self):
+    @classmethod
+    def pool_pair(cls):
         # torchrl differs: its AsyncEnvPool cannot reset HeterogeneousCountingEnv
         # (AttributeError in _update_during_reset, whatever the stack); SerialEnv
         # is the oracle. (check_env_specs fails on SerialEnv too: not compared.)
         yield from serve(
-            SerialEnv(2, self.makers()),
-            lambda: ZMQAsyncEnvPool(self.makers(), stack="lazy", config=FAST),
+            SerialEnv(2, cls.makers()),
+            lambda: ZMQAsyncEnvPool(cls.makers(), stack="lazy", config=FAST),
         )
 
 
@@ -1009,10 +1013,11 @@ class TestTwoDifferentEnvsLazy(SameCallsOnBoth):
         return mixed_makers()
 
     @pytest.fixture(scope="class")
-    def pool_pair(self):
+    @classmethod
+    def pool_pair(cls):
         yield from serve(
-            AsyncEnvPool(self.makers(), backend="threading", stack="lazy"),
-            lambda: ZMQAsyncEnvPool(self.makers(), stack="lazy", config=FAST),
+            AsyncEnvPool(cls.makers(), backend="threading", stack="lazy"),
+            lambda: ZMQAsyncEnvPool(cls.makers(), stack="lazy", config=FAST),
         )
 
     @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool], ids=str)
