@@ -293,12 +293,15 @@ def test_refused_registrations_do_not_flood_the_log(tmp_path, key_dir, context):
         for i in range(2000):
             flooder.send(bad[i % len(bad)])
             refusals += len(flooder.replies())
-        strangers = [
-            Peer(context, f"tcp://{HOST}:{port}", curve=unknown_keys(key_dir), monitor=True)
-            for _ in range(100)
-        ]
-        for stranger in strangers:
+        strangers = []
+        for _ in range(100):
+            stranger = Peer(
+                context, f"tcp://{HOST}:{port}", curve=unknown_keys(key_dir), monitor=True
+            )
+            # At once: its pipe exists from connect() until its handshake is refused. Sent
+            # later, under load, a send could find no pipe (between reconnects) and block.
             stranger.send(hello.header("REGISTER", hello.register_body()))
+            strangers.append(stranger)
         verdicts(strangers, 10.0)
         for stranger in strangers:
             stranger.close()
