@@ -39,7 +39,9 @@ class SharedForkServers:
     """The process's fork server, lent to launchers (:class:`~zmqpool.launcher.ForkServers`).
 
     A server is closed once nobody holds it: no launcher, and no
-    :func:`keep_fork_server` for the current one. A dead one is never lent
+    :func:`keep_fork_server` for the current one. A launcher learns of its
+    death itself, through ``alive()``, in its own thread, so no callback
+    reaches into another pool's launcher from this one's. A dead one is never lent
     again; the next :meth:`acquire` starts a new one, so the launchers that
     replace it after its death all get the same replacement.
     """
@@ -52,26 +54,21 @@ class SharedForkServers:
         # In a forked child: the parent's zygote is the parent's (its pipes and
         # its pid to die with), so the child starts from nothing.
         self._current: ForkServer | None = None
-        self._holders: dict[ForkServer, list[OnDeath]] = {}  # who holds each, to release it
+        self._holders: dict[ForkServer, int] = {}  # how many launchers hold each
         self._keepers = 0
 
-    @property
-    def pid(self) -> int | None:
-        """The pid of the fork server lent now (None: none running)."""
-        server = self._current
-        return server.pid if server is not None and not server.exited() else None
-
     def acquire(self, on_death: OnDeath) -> ForkServer:
+        """The live fork server, held once more. ``on_death`` is not called: see the class."""
         with launcher.FORK_LOCK:
             server = self._live()
-            self._holders[server].append(on_death)
+            self._holders[server] += 1
             return server
 
     def release(self, server: ForkServer, on_death: OnDeath) -> None:
+        """Held once less; closed if nobody holds it now."""
         with launcher.FORK_LOCK:
-            holders = self._holders.get(server)
-            if holders is not None and on_death in holders:
-                holders.remove(on_death)
+            if self._holders.get(server):
+                self._holders[server] -= 1  # a launcher releases what it holds once
             self._close_if_unheld(server)
 
     def keep(self) -> None:
@@ -97,7 +94,7 @@ class SharedForkServers:
             self._close_if_unheld(current)  # its holders release it as they learn of its death
         if self._current is None:
             self._current = ForkServer(on_death=self._on_death)
-            self._holders[self._current] = []
+            self._holders[self._current] = 0
         return self._current
 
     def _on_death(self, server: ForkServer) -> None:

@@ -365,7 +365,7 @@ class ForkServer:
     def alive(self) -> bool:
         """Whether it can still fork (reads what it reported so far; never waits)."""
         self._read_reports(0.0)
-        return not (self.closed or self._eof or self.proc.poll() is not None)
+        return not self.exited()
 
     def exited(self) -> bool:
         """Whether it is known to be gone, without reading its pipe."""
