@@ -497,8 +497,8 @@ class ScriptedWorker:
         self.refusals: list[str] = []
         #: The commands of a BATCH the pool sent, not yet returned by :meth:`command`.
         self.queued: collections.deque[dict[str, Any]] = collections.deque()
-        #: The envs of each BATCH received, in order.
-        self.batches: list[list[int]] = []
+        #: Each BATCH or COMMANDS received, in order: its command's name and its envs.
+        self.batches: list[tuple[str, list[int]]] = []
 
     def register(
         self,
@@ -568,7 +568,9 @@ class ScriptedWorker:
     def command(self, timeout_s: float) -> dict[str, Any] | None:
         """The next command the pool sends (``command``, ``env``, ``seq``, ``body``), or None.
 
-        A BATCH is split into its commands (recorded in :attr:`batches`), returned one by one.
+        A BATCH is split into its commands and a COMMANDS into one per row
+        (the envs of each such message recorded in :attr:`batches`), returned
+        one by one.
         """
         deadline = time.monotonic() + timeout_s
         while not self.queued and (remaining := deadline - time.monotonic()) > 0:
@@ -578,24 +580,42 @@ class ScriptedWorker:
             reply = self.hello.decode(frames[0])
             if reply["command"] in ("WELCOME", "REFUSE", "PING"):
                 continue
-            inner = self._split(reply, frames) if reply["command"] == "BATCH" else [reply]
-            if reply["command"] == "BATCH":
-                self.batches.append([c["fields"][2] for c in inner])
-            self.queued.extend({**c, "env": c["fields"][2], "seq": c["fields"][3]} for c in inner)
+            inner = self._commands(reply, frames)
+            if reply["command"] in ("BATCH", "COMMANDS"):
+                self.batches.append((reply["command"], [c["env"] for c in inner]))
+            self.queued.extend(inner)
         return self.queued.popleft() if self.queued else None
 
-    def _split(self, batch: dict[str, Any], frames: list[bytes]) -> list[dict[str, Any]]:
-        """A BATCH's commands (their headers decoded), read as the wire docs say."""
+    def _commands(self, message: dict[str, Any], frames: list[bytes]) -> list[dict[str, Any]]:
+        """A message's commands (``env`` and ``seq`` set), BATCH and COMMANDS taken apart."""
+        if message["command"] == "COMMANDS":
+            return self._rows(message)
+        if message["command"] != "BATCH":
+            return [{**message, "env": message["fields"][2], "seq": message["fields"][3]}]
+        return [c for inner in self._split(message, frames) for c in self._commands(*inner)]
+
+    def _rows(self, joined: dict[str, Any]) -> list[dict[str, Any]]:
+        """A COMMANDS' commands, one per row, read as the wire docs say."""
+        body = joined["body"]
+        names = {value: name for name, value in self.hello.commands.items()}
+        rows = zip(body["envs"], body["seqs"], strict=True)
+        return [{"command": names.get(body["c"]), "env": env, "seq": seq} for env, seq in rows]
+
+    def _split(
+        self, batch: dict[str, Any], frames: list[bytes]
+    ) -> list[tuple[dict[str, Any], list[bytes]]]:
+        """A BATCH's messages (each header decoded, and its frames), as the wire docs say."""
         sizes, joined, at = batch["body"]["len"], frames[1], 0
         pieces = []
         for size in sizes:
             pieces.append(joined[at : at + size])
             at += size
-        commands, start = [], 0
+        messages, start = [], 0
         for count in batch["body"]["n"]:
-            commands.append(self.hello.decode(pieces[start]))
+            message = pieces[start : start + count]
+            messages.append((self.hello.decode(message[0]), message))
             start += count
-        return commands
+        return messages
 
     def batch_frames(self, messages: list[list[Any]], env: int, token: bytes | None = None):
         """``messages`` (each a header and its frames) as one BATCH from this worker.

@@ -900,8 +900,9 @@ class SameCallsOnBoth:
 
 class TestBatchedWire(SameCallsOnBoth):
     """4 CountingEnvs, 2 per worker, stepped in the workers' main threads
-    (``env_threads=False``): commands and replies travel as batches (the wire's
-    ``BATCH``), and every call answers as torchrl's pool does."""
+    (``env_threads=False``): commands and replies travel as batches and rows
+    joined (the wire's ``BATCH``, ``COMMANDS`` and ``RESULTS``), and every call
+    answers as torchrl's pool does."""
 
     @staticmethod
     def makers() -> list[Callable]:

@@ -50,10 +50,10 @@ from zmqpool.wire import (
     PROTOCOL_VERSION,
     Command,
     Header,
-    ResultRow,
+    Row,
     batch_messages,
     encode_message,
-    pack_results,
+    pack_rows,
     split_batch,
 )
 
@@ -292,8 +292,11 @@ class HostilePeer:
     def _results(self, envs: list[int], token: bytes) -> list[Any]:
         """A RESULTS message of ``envs``' awaited seqs, each row a forged step."""
         encoder = Encoder()
-        rows = [ResultRow(e, self._awaited_seq(e), [encoder.encode(forged_next(e))]) for e in envs]
-        return pack_results(rows, token)
+        rows = [
+            Row(Command.RESULT, e, self._awaited_seq(e), [encoder.encode(forged_next(e))])
+            for e in envs
+        ]
+        return pack_rows(rows, token)
 
     def results_for_another_worker(self) -> list[Any]:
         # A worker's RESULTS (its token, its env first) with a row for the other worker's
@@ -695,6 +698,123 @@ def test_rows_of_one_layout_are_answered_joined(tmp_path):
         assert observed == [[8.0, 2.0], [7.0, 1.0]]
     finally:
         worker.close()
+
+
+def joined_steps(encoder: Encoder, seqs: dict[int, int], action: float = 0.25) -> list[Any]:
+    """One COMMANDS stepping ``seqs``' envs (the action's layout announced already)."""
+    td = TensorDict({"action": torch.tensor([action])}, [])
+    rows = [Row(Command.STEP, env, seq, [encoder.encode(td)]) for env, seq in seqs.items()]
+    message = pack_rows(rows, b"")
+    assert Header.decode(message[0]).command == Command.COMMANDS, "the layout was not announced"
+    return [bytes(memoryview(f).cast("B")) for f in message]
+
+
+def announced(worker: Worker, encoder: Encoder, decoder: Decoder) -> None:
+    """A lone step of env 1 announces the action's layout to the worker, and its reply's to us."""
+    action = TensorDict({"action": torch.tensor([0.25])}, [])
+    assert worker.handle(command(Header(Command.STEP, 1, 1), action, encoder))
+    [reply] = worker.push.sent
+    decoder.decode(Header.decode(reply[0]), reply[1:])
+    worker.push.sent.clear()
+
+
+def test_joined_commands_run_as_if_each_had_come_alone(tmp_path):
+    """A COMMANDS is one command per row, each with its seq: answered as a batch would be,
+    alone or inside a BATCH."""
+    worker, decoder, encoder = two_env_worker(tmp_path, env_threads=False), Decoder(), Encoder()
+    try:
+        announced(worker, encoder, decoder)
+        assert worker.handle(joined_steps(encoder, {1: 2, 0: 1}))
+        [message] = worker.push.sent
+        header = Header.decode(message[0])
+        assert header.command == Command.RESULTS
+        assert header.body == {"envs": [1, 0], "seqs": [2, 1]}  # in the rows' order
+        rows = decoder.decode_rows(header, message[1:], 2)
+        observed = [parts[0].to_tensordict()["observation"][:2].tolist() for parts in rows]
+        assert observed == [[8.0, 2.0], [7.0, 1.0]]
+        worker.push.sent.clear()
+        # Inside a BATCH, beside a command that is not joined: both run, in order.
+        seed = command(Header(Command.SEED, 0, 3, body={"seed": 5}), None, Encoder())
+        [batch] = batch_messages([joined_steps(encoder, {0: 2, 1: 3}), seed], -1)
+        assert Header.decode(batch[0]).command == Command.BATCH
+        assert worker.handle(batch)
+        [message] = worker.push.sent
+        answered = [(h.command, h.env, h.seq) for h in _headers_of(message)]
+        assert answered == [(Command.RESULT, 0, 2), (Command.RESULT, 1, 3), (Command.RESULT, 0, 3)]
+    finally:
+        worker.close()
+
+
+def _headers_of(message: list[bytes]) -> list[Header]:
+    """Every reply in ``message`` (a BATCH, a RESULTS or a lone reply) as a header per env."""
+    headers = []
+    for reply in replies_in(message, max_messages=4):
+        header = Header.decode(reply[0])
+        if header.command != Command.RESULTS:
+            headers.append(header)
+            continue
+        for env, seq in zip(header.body["envs"], header.body["seqs"], strict=True):
+            headers.append(Header(Command.RESULT, env, seq, header.token))
+    return headers
+
+
+def test_malformed_joined_commands_are_dropped_or_answered_and_the_envs_live_on(tmp_path):
+    """A COMMANDS header that fails its checks is dropped whole; frames that do not match its
+    layout answer each env with an error; an env the worker does not host is that row's error."""
+    worker, decoder, encoder = two_env_worker(tmp_path, env_threads=False), Decoder(), Encoder()
+    try:
+        announced(worker, encoder, decoder)
+        good = joined_steps(encoder, {0: 1, 1: 2})
+        body = Header.decode(good[0]).body
+        layouts = Header.decode(good[0]).layouts
+
+        def joined(body: dict[str, Any], env: int = 0) -> bytes:
+            return Header(Command.COMMANDS, env, 0, layouts=layouts, body=body).encode()
+
+        dropped = [
+            [joined({"envs": [0, 1], "seqs": [1, 2]}), *good[1:]],  # no command
+            [joined({**body, "c": int(Command.SEED)}), *good[1:]],
+            [joined({**body, "c": int(Command.COMMANDS)}), *good[1:]],
+            [joined({**body, "c": 99}), *good[1:]],
+            [joined({**body, "envs": [0, 0]}), *good[1:]],
+            [joined({**body, "envs": [0, 1, 5], "seqs": [1, 2, 1]}), *good[1:]],  # 3 rows, 2 envs
+            [joined({**body, "envs": [1, 0]}, env=0), *good[1:]],  # not the header's env first
+        ]
+        for frames in dropped:
+            assert worker.handle(frames)
+        assert worker.dropped == len(dropped) and not worker.push.sent
+        for frames in ([good[0], good[1][:-1]], [good[0]], [joined(body), good[1], b"x"]):
+            assert worker.handle(frames)
+            [message] = worker.push.sent
+            worker.push.sent.clear()
+            errors = _headers_of(message)
+            assert [(h.command, h.env, h.seq) for h in errors] == [
+                (Command.ERROR, 0, 1),
+                (Command.ERROR, 1, 2),
+            ]
+            kinds = {Failed.from_body(h.body).kind for h in map(Header.decode, _frames0(message))}
+            assert kinds == {FailureKind.PROTOCOL}
+        # A row for an env this worker does not host is that row's error alone.
+        assert worker.handle(joined_steps(encoder, {0: 1, 5: 1}))
+        [message] = worker.push.sent
+        worker.push.sent.clear()
+        assert [(h.command, h.env) for h in _headers_of(message)] == [
+            (Command.RESULT, 0),
+            (Command.ERROR, 5),
+        ]
+        # The envs live on: their state is what the good steps made it.
+        assert worker.handle(joined_steps(encoder, {0: 2, 1: 2}))
+        [message] = worker.push.sent
+        rows = decoder.decode_rows(Header.decode(message[0]), message[1:], 2)
+        observed = [parts[0].to_tensordict()["observation"][:2].tolist() for parts in rows]
+        assert observed == [[7.0, 2.0], [8.0, 2.0]]
+    finally:
+        worker.close()
+
+
+def _frames0(message: list[bytes]) -> list[bytes]:
+    """The header frame of each reply in ``message``."""
+    return [reply[0] for reply in replies_in(message, max_messages=4)]
 
 
 def test_a_kept_reply_does_not_wait_on_a_slow_env(tmp_path):

@@ -567,6 +567,8 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
 
     A scripted worker hosting both remote envs gets one BATCH for a step of
     both (not two messages) and answers with one BATCH: both results arrive.
+    Once the action's layout is announced, a step of both is one COMMANDS
+    (rows joined).
     Then, for one step of both: a batch whose sizes do not add up, one with
     another token, one nesting a batch, and one with a good result for the
     first env beside a truncated header for the second. Only the good one
@@ -585,7 +587,8 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
         victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
         commands = [w.command(10), w.command(10)]
         assert None not in commands, "the pool's commands did not arrive"
-        assert w.batches == [[a, b]], f"not one message for both envs: {w.batches}"
+        # The first step announces the action's layout: its rows cannot join yet.
+        assert w.batches == [("BATCH", [a, b])], f"not one message for both envs: {w.batches}"
         honest = [w.answer_frames(c, step_next(env_id=c["env"])) for c in commands]
         w.send_result(w.batch_frames(honest, env=a))
         victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
@@ -595,7 +598,8 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
 
         victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
         commands = [w.command(10), w.command(10)]
-        assert None not in commands and w.batches[-1] == [a, b]
+        # The layout announced, the rows of one command join: one COMMANDS.
+        assert None not in commands and w.batches[-1] == ("COMMANDS", [a, b]), w.batches
         forged = [w.answer_frames(c, step_next(env_id=666)) for c in commands]
         joined = w.batch_frames(forged, env=a)
         body = msgpack.unpackb(joined[0], raw=False)[6]
@@ -615,7 +619,7 @@ def test_a_workers_commands_share_a_message_and_a_bad_batch_costs_only_itself(
         # short answers both requests with the error, naming each env.
         victim.command(f'send-envs {{"envs": [{a}, {b}]}}')
         commands = [w.command(10), w.command(10)]
-        assert None not in commands and w.batches[-1] == [a, b]
+        assert None not in commands and w.batches[-1] == ("COMMANDS", [a, b]), w.batches
         w.send_result(w.results_frames(commands, [step_next(env_id=e) for e in (a, b)]))
         victim.command(f'collect-envs {{"envs": [{a}, {b}], "timeout": 10}}')
         joined = victim.wait("collected", timeout_s=30)

@@ -15,10 +15,11 @@ from zmqpool.wire import (
     PROTOCOL_VERSION,
     Command,
     Header,
-    ResultRow,
+    Row,
     batch_messages,
+    command_rows,
     encode_message,
-    result_messages,
+    joined_messages,
     results_rows,
     split_batch,
 )
@@ -285,11 +286,13 @@ def test_malformed_batches_raise_protocol_error(body, frames, max_messages):
 # ---------------------------------------------------------------- rows joined
 
 
-def _rows(encoder: Encoder, values: list[float], first_env: int = 0) -> list[ResultRow]:
+def _rows(encoder: Encoder, values: list[float], first_env: int = 0) -> list[Row]:
     tds = [
         TensorDict({"obs": torch.full((3,), v), "done": torch.tensor([v > 1])}, []) for v in values
     ]
-    return [ResultRow(first_env + i, 10 + i, [encoder.encode(td)]) for i, td in enumerate(tds)]
+    return [
+        Row(Command.RESULT, first_env + i, 10 + i, [encoder.encode(td)]) for i, td in enumerate(tds)
+    ]
 
 
 def _learned(encoder: Encoder) -> Decoder:
@@ -303,7 +306,7 @@ def _learned(encoder: Encoder) -> Decoder:
 def test_rows_of_one_layout_travel_joined_and_come_apart_as_each_env_sent_them():
     encoder = Encoder()
     decoder = _learned(encoder)
-    [message] = result_messages(_rows(encoder, [1.0, 2.0, 3.0], first_env=4), b"t" * 16)
+    [message] = joined_messages(_rows(encoder, [1.0, 2.0, 3.0], first_env=4), b"t" * 16)
     header = Header.decode(message[0])
     assert (header.command, header.env, header.seq, header.token) == (
         Command.RESULTS,
@@ -324,10 +327,10 @@ def test_a_row_that_announces_or_differs_or_an_error_breaks_the_run_in_its_place
     same = _rows(encoder, [2.0, 3.0], first_env=1)
     x = TensorDict({"x": torch.ones(2)}, [])
     encoder.encode(x)  # announced before: this row differs by its layout alone
-    other = [ResultRow(3, 13, [encoder.encode(x)])]
+    other = [Row(Command.RESULT, 3, 13, [encoder.encode(x)])]
     error = [Header(Command.ERROR, 4, 14, b"", body={"err": "e", "tb": ""}).encode()]
     tail = _rows(encoder, [4.0, 5.0], first_env=5)
-    out = result_messages([*first, *same, *other, error, *tail], b"")
+    out = joined_messages([*first, *same, *other, error, *tail], b"")
     headers = [Header.decode(m[0]) for m in out]
     assert [(h.command, h.env) for h in headers] == [
         (Command.RESULT, 0),
@@ -344,16 +347,16 @@ def test_joined_rows_stay_under_the_batch_limit_and_large_rows_go_alone():
     encoder = Encoder()
     row_bytes = MAX_BATCHED_MESSAGE_BYTES // 2
     tds = [TensorDict({"obs": torch.zeros(row_bytes, dtype=torch.uint8)}, []) for _ in range(40)]
-    rows = [ResultRow(i, 1, [encoder.encode(td)]) for i, td in enumerate(tds)]
-    out = result_messages(rows, b"")
+    rows = [Row(Command.RESULT, i, 1, [encoder.encode(td)]) for i, td in enumerate(tds)]
+    out = joined_messages(rows, b"")
     assert Header.decode(out[0][0]).command == Command.RESULT  # the announcing row
     assert all(sum(len(f) for f in m[1:]) <= MAX_BATCH_BYTES for m in out)
     envs = [e for m in out[1:] for e in results_rows(Header.decode(m[0]), 40)[0]]
     assert envs == list(range(1, 40)) and len(out) > 2
     big = TensorDict({"obs": torch.zeros(MAX_BATCHED_MESSAGE_BYTES + 1, dtype=torch.uint8)}, [])
     encoder.encode(big)  # announced
-    large = [ResultRow(i, 1, [encoder.encode(big)]) for i in range(2)]
-    assert [Header.decode(m[0]).command for m in result_messages(large, b"")] == [
+    large = [Row(Command.RESULT, i, 1, [encoder.encode(big)]) for i in range(2)]
+    assert [Header.decode(m[0]).command for m in joined_messages(large, b"")] == [
         Command.RESULT,
         Command.RESULT,
     ]
@@ -380,10 +383,74 @@ def test_malformed_results_headers_raise_protocol_error(env, body):
         results_rows(Header(Command.RESULTS, env, 0, body=body), 2)
 
 
+def _commands(encoder: Encoder, values: list[float], command=Command.STEP) -> list[Row]:
+    tds = [TensorDict({"action": torch.full((2,), v)}, []) for v in values]
+    return [Row(command, i, 20 + i, [encoder.encode(td)]) for i, td in enumerate(tds)]
+
+
+def test_commands_of_one_kind_and_layout_travel_joined_and_come_apart_per_env():
+    encoder = Encoder()
+    announcing, *rest = _commands(encoder, [0.0, 1.0, 2.0])
+    decoder = Decoder()
+    decoder.decode(Header.decode(announcing.message(b"")[0]), announcing.message(b"")[1:])
+    message, joined = joined_messages([announcing, *rest], b"")  # the announcing row alone
+    assert Header.decode(message[0]).command == Command.STEP
+    header = Header.decode(joined[0])
+    assert (header.command, header.env, header.seq, header.token) == (Command.COMMANDS, 1, 0, b"")
+    assert header.body == {"c": int(Command.STEP), "envs": [1, 2], "seqs": [21, 22]}
+    assert command_rows(header, 3) == (Command.STEP, [1, 2], [21, 22])
+    rows = decoder.decode_rows(header, as_received(joined[1:]), 2)
+    assert [parts[0].to_tensordict()["action"].tolist() for parts in rows] == [[1.0] * 2, [2.0] * 2]
+
+
+def test_commands_join_only_with_the_same_command_and_never_with_a_body():
+    encoder = Encoder()
+    _commands(encoder, [0.0])[0].message(b"")  # announce the layout
+    steps = _commands(encoder, [1.0, 2.0])
+    resets = [Row(Command.RESET, 2 + i, 1, []) for i in range(2)]  # a restart's resets: no input
+    seed = [Header(Command.SEED, 4, 1, body={"seed": 3}).encode()]
+    seeds = [Row(Command.SEED, 5 + i, 1, []) for i in range(2)]  # never joined: SEED needs its body
+    out = joined_messages([*steps, *resets, seed, *seeds], b"")
+    headers = [Header.decode(m[0]) for m in out]
+    assert [(h.command, h.env) for h in headers] == [
+        (Command.COMMANDS, 0),
+        (Command.COMMANDS, 2),
+        (Command.SEED, 4),
+        (Command.SEED, 5),
+        (Command.SEED, 6),
+    ]
+    assert headers[1].body == {"c": int(Command.RESET), "envs": [2, 3], "seqs": [1, 1]}
+    assert out[1][1:] == [] and out[2] is seed
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        {"envs": [0, 1], "seqs": [1, 1]},  # no command
+        {"c": int(Command.STEP), "envs": [0, 1], "seqs": [1, 1], "L": {}},  # announces nothing
+        {"c": int(Command.SEED), "envs": [0, 1], "seqs": [1, 1]},  # needs a body
+        {"c": int(Command.CLOSE), "envs": [0, 1], "seqs": [1, 1]},
+        {"c": int(Command.COMMANDS), "envs": [0, 1], "seqs": [1, 1]},
+        {"c": int(Command.RESULT), "envs": [0, 1], "seqs": [1, 1]},
+        {"c": 99, "envs": [0, 1], "seqs": [1, 1]},
+        {"c": True, "envs": [0, 1], "seqs": [1, 1]},
+        {"c": int(Command.STEP), "envs": [0], "seqs": [1]},  # one row is a STEP
+        {"c": int(Command.STEP), "envs": [0, 1, 2], "seqs": [1, 1, 1]},  # more than the envs
+        {"c": int(Command.STEP), "envs": [0, 0], "seqs": [1, 2]},
+        {"c": int(Command.STEP), "envs": [1, 0], "seqs": [1, 1]},  # not the header's env first
+        {"c": int(Command.STEP), "envs": [0, 1], "seqs": [1, -1]},
+    ],
+)
+def test_malformed_commands_headers_raise_protocol_error(body):
+    with pytest.raises(ProtocolError):
+        command_rows(Header(Command.COMMANDS, 0, 0, body=body), 2)
+
+
 def test_joined_frames_of_the_wrong_size_or_layout_raise_protocol_error():
     encoder = Encoder()
     decoder = _learned(encoder)
-    [message] = result_messages(_rows(encoder, [1.0, 2.0]), b"")
+    [message] = joined_messages(_rows(encoder, [1.0, 2.0]), b"")
     header, frames = Header.decode(message[0]), as_received(message[1:])
     assert len(decoder.decode_rows(header, frames, 2)) == 2
     short = [memoryview(bytes(frames[0])[:-1])]
@@ -397,7 +464,7 @@ def test_joined_frames_of_the_wrong_size_or_layout_raise_protocol_error():
         Decoder().decode_rows(header, frames, 2)
     labelled = TensorDict({"obs": torch.ones(3)}, [])
     labelled.set_non_tensor("label", "x")
-    tagged = ResultRow(0, 1, [encoder.encode(labelled)])
+    tagged = Row(Command.RESULT, 0, 1, [encoder.encode(labelled)])
     decoder.decode(Header.decode(tagged.message(b"")[0]), tagged.message(b"")[1:])
     nontensor = Header(Command.RESULTS, 0, 0, layouts=(tagged.parts[0].layout_id,))
     with pytest.raises(ProtocolError, match="tensors only"):

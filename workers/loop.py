@@ -4,10 +4,11 @@ The worker's DEALER connects to the pool's ROUTER (registration, commands,
 heartbeats); its PUSH connects to the pool's results PULL. One command in,
 one reply out, in order, for each env. A BATCH from the pool (the commands of
 one call for this worker's envs) is taken apart and each command handled in
-turn; when the envs run in this thread (no env threads, or one env), their
-replies go back as a BATCH too, once the last has run (wire: batches), those
-of one layout as one RESULTS, rows joined (wire: rows joined). The
-loop only moves frames: what a command does to an env is
+turn, and so is a COMMANDS (commands of one kind and layout, rows joined: one
+command per row; wire: rows joined). When the envs run in this thread (no env
+threads, or one env), their replies go back as a BATCH too, once the last has
+run (wire: batches), those of one layout as one RESULTS. The loop only moves
+frames: what a command does to an env is
 :mod:`workers.hosting`'s business.
 
 A remote worker also listens to the pool's heartbeats (a SUB socket, in the
@@ -40,6 +41,7 @@ every socket from one thread while the others may still use theirs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -47,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -55,7 +58,7 @@ from zmq.utils.monitor import recv_monitor_message
 from workers.hosting import EnvHost
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
-from zmqpool.codec import Decoder, Encoder, layout_of
+from zmqpool.codec import DecodedPart, Decoder, Encoder, layout_of
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -90,9 +93,10 @@ from zmqpool.throttle import log_throttled
 from zmqpool.wire import (
     Command,
     Header,
-    ResultRow,
+    Row,
     batch_messages,
-    result_messages,
+    command_rows,
+    joined_messages,
     split_batch,
 )
 
@@ -179,7 +183,7 @@ class Worker:
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
         self._send_lock = threading.Lock()
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
-        self._outbox: list[ResultRow | list[Any]] | None = None
+        self._outbox: list[Row | list[Any]] | None = None
         #: How long each hosted env's last command run inline took (s).
         self._step_s: dict[int, float] = {}
         self._stop = threading.Event()
@@ -410,17 +414,19 @@ class Worker:
         A command is run on its env and answered on the PUSH (an error reply
         for a command that is malformed or that the env raised on); a frame
         that is not even a header is counted in :attr:`dropped`, and so is a
-        malformed batch. A batch's commands are handled in order, each as if it
-        had come alone. Driving a worker message by message, without the
-        DEALER, is what this is for (``tests/test_fuzz_live.py`` feeds it
-        hostile frames).
+        malformed batch. A batch's commands, and the rows of a COMMANDS, are
+        handled in order, each as if it had come alone. Driving a worker
+        message by message, without the DEALER, is what this is for
+        (``tests/test_fuzz_live.py`` feeds it hostile frames).
         """
         header = self._command_header(frames[0])
         if header is None:
             return True
         if header.command == Command.BATCH:
             return self._handle_batch(header, frames[1:])
-        return self._handle_command(header, frames)
+        if header.command == Command.COMMANDS:
+            return self._handle_several([_Command(header, frames[1:])])
+        return self._handle_command(_Command(header, frames[1:]))
 
     def _command_header(self, frame: Any) -> Header | None:
         try:
@@ -430,14 +436,15 @@ class Worker:
             log.warning("dropped a malformed command: %s", err)
             return None
 
-    def _handle_command(self, header: Header, frames: list[Any]) -> bool:
-        if header.command == Command.CLOSE:
+    def _handle_command(self, command: _Command) -> bool:
+        kind = command.header.command
+        if kind == Command.CLOSE:
             return False
-        if header.command == Command.BATCH:
+        if kind == Command.BATCH:
             self.dropped += 1
             log.warning("dropped a batch inside a batch")
-        elif header.command not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
-            self._execute(header, frames[1:])
+        elif kind not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
+            self._execute(command)
         return True
 
     def _handle_batch(self, header: Header, frames: list[Any]) -> bool:
@@ -448,25 +455,66 @@ class Worker:
             self.dropped += 1
             log.warning("dropped a malformed batch: %s", err)
             return True
+        commands = []
+        for message in messages:
+            inner = self._command_header(message[0])
+            if inner is not None:
+                commands.append(_Command(inner, message[1:]))
+        return self._handle_several(commands)
+
+    def _handle_several(self, commands: list[_Command]) -> bool:
+        """Commands of one message in order (a COMMANDS as its rows), replies kept inline."""
         inline = self._runs_inline()
         # Only the main thread replies when envs run inline: nothing else can
         # reach the outbox while it is open.
         self._outbox = [] if inline else None
         try:
-            for message in messages:
-                inner = self._command_header(message[0])
-                if inner is None:
-                    continue
-                if self._outbox and self._step_s.get(inner.env, 0.0) > _HOLD_FOR_S:
+            for command in self._rows_apart(commands):
+                env = command.header.env
+                if self._outbox and self._step_s.get(env, 0.0) > _HOLD_FOR_S:
                     self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
                 started = time.perf_counter()
-                if not self._handle_command(inner, message):
+                if not self._handle_command(command):
                     return False
-                if inline and inner.env in self.host.envs:
-                    self._step_s[inner.env] = time.perf_counter() - started
+                if inline and env in self.host.envs:
+                    self._step_s[env] = time.perf_counter() - started
             return True
         finally:
             self._flush_outbox()
+
+    def _rows_apart(self, commands: list[_Command]) -> Iterator[_Command]:
+        """``commands``, each COMMANDS among them as one command per row, in its place."""
+        for command in commands:
+            if command.header.command == Command.COMMANDS:
+                yield from self._rows(command.header, command.frames)
+            else:
+                yield command
+
+    def _rows(self, header: Header, frames: list[Any]) -> list[_Command]:
+        """A COMMANDS as one command per env, each its row already decoded (wire: rows joined).
+
+        A header that fails its checks is dropped whole (counted, as a malformed
+        batch); frames that do not match its layouts answer each env with the
+        error, as each command would have been answered alone.
+        """
+        try:
+            kind, envs, seqs = command_rows(header, max(1, len(self.host.envs)))
+        except ProtocolError as err:
+            self.dropped += 1
+            log.warning("dropped malformed joined commands: %s", err)
+            return []
+        headers = [
+            Header(kind, env, seq, layouts=header.layouts)
+            for env, seq in zip(envs, seqs, strict=True)
+        ]
+        try:
+            # One copy of each joined frame, writable (see _execute); each row a view of it.
+            rows = self.decoder.decode_rows(header, [bytearray(f) for f in frames], len(envs))
+        except ProtocolError as err:
+            for inner in headers:
+                self._send(self._error_reply(inner, err))
+            return []
+        return [_Command(inner, parts=parts) for inner, parts in zip(headers, rows, strict=True)]
 
     def _runs_inline(self) -> bool:
         """Whether commands run in this (the main) thread rather than in env threads."""
@@ -483,14 +531,17 @@ class Worker:
         # The batch's env names this worker to the pool: one it hosts.
         env = next(iter(self.host.envs), -1)
         with self._send_lock:
-            for frames in batch_messages(result_messages(outbox, self.token), env, self.token):
+            for frames in batch_messages(joined_messages(outbox, self.token), env, self.token):
                 self._push(frames)
 
-    def _execute(self, header: Header, frames: list[Any]) -> None:
+    def _execute(self, command: _Command) -> None:
+        header = command.header
         try:
-            # Decoded here, in order: layouts are announced on this connection.
-            # bytearray: env code may write into its input; zmq's buffers are read-only.
-            parts = self.decoder.decode(header, [bytearray(f) for f in frames])
+            parts = command.parts
+            if parts is None:
+                # Decoded here, in order: layouts are announced on this connection.
+                # bytearray: env code may write into its input; zmq's buffers are read-only.
+                parts = self.decoder.decode(header, [bytearray(f) for f in command.frames])
             td = parts[0].to_tensordict() if parts else None
         except Exception as err:
             self._send(self._error_reply(header, err))
@@ -507,7 +558,7 @@ class Worker:
             out = self.host.run(header.command, header.env, td, header.body)
             with self._send_lock:  # the encoder's layout ids and the socket are shared
                 parts = [self.encoder.encode(part) for part in out]
-                self._send_unlocked(ResultRow(header.env, header.seq, parts))
+                self._send_unlocked(Row(Command.RESULT, header.env, header.seq, parts))
             return
         except Exception as err:
             reply = self._error_reply(header, err)
@@ -517,11 +568,11 @@ class Worker:
         with self._send_lock:
             self._send_unlocked(reply)
 
-    def _send_unlocked(self, reply: ResultRow | list[Any]) -> None:
+    def _send_unlocked(self, reply: Row | list[Any]) -> None:
         """Send a reply (a result still as its row, or a message), or keep it in the outbox."""
         if self._outbox is not None:  # a batch runs inline: its replies go when it ends
             self._outbox.append(reply)  # where results of one layout may be joined
-        elif isinstance(reply, ResultRow):
+        elif isinstance(reply, Row):
             self._push(reply.message(self.token))
         else:
             self._push(reply)
@@ -803,3 +854,12 @@ def reachable(endpoint: str, router: str) -> str:
     if host in ("0.0.0.0", "*", "::", "[::]"):
         host = router[6:].rsplit(":", 1)[0]
     return f"tcp://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Command:
+    """One command as the worker runs it: its header and tensor frames, or its row decoded."""
+
+    header: Header
+    frames: list[Any] = dataclasses.field(default_factory=list)
+    parts: list[DecodedPart] | None = None  # a COMMANDS row, decoded with the others

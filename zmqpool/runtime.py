@@ -59,7 +59,7 @@ from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
-from zmqpool.wire import Command, Header, batch_messages, encode_message
+from zmqpool.wire import Command, Header, Row, batch_messages, encode_message, joined_messages
 
 #: How often construction asks launched workers whether one has given up (each
 #: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
@@ -148,7 +148,7 @@ class Runtime:
         self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
         self.events: list[Event] = []
         # Commands awaiting the end of send_all(), per worker (None: send each at once).
-        self._outbox: dict[tuple[bytes, bool], list[list[Any]]] | None = None
+        self._outbox: dict[tuple[bytes, bool], list[Row | list[Any]]] | None = None
         self.intake = Intake(self.roster, self.ledger, self.liveness)
         self.registrar = Registrar(
             self.roster,
@@ -393,16 +393,25 @@ class Runtime:
         if begins:
             self.roster.begin(env, resets)
         pending.sent_at = time.monotonic()
-        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
         if self._outbox is not None and link.batches:  # within send_all(): with its others
-            self._outbox.setdefault((link.identity, link.remote), []).append(frames)
+            # Kept as a row: rows of one command and layout go as one COMMANDS.
+            entry: Row | list[Any] = (
+                Row(command, env, pending.seq, parts)
+                if pending.body is None
+                else encode_message(Header(command, env, pending.seq, body=pending.body), parts)
+            )
+            self._outbox.setdefault((link.identity, link.remote), []).append(entry)
             return
+        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
         self.broker.route(link.identity, frames, link.remote)
 
     def send_all(
         self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool
     ) -> None:
         """:meth:`send` for each env, in one message per worker where several go to one.
+
+        Rows of one command and layout join into one COMMANDS (wire: rows joined);
+        the rest of a worker's messages go as a BATCH.
 
         Whatever fails midway, what was recorded is sent: each request is in the
         ledger already and awaits its reply.
@@ -419,7 +428,8 @@ class Runtime:
                 self.send(env, command, payload, per_env)
         finally:
             outbox, self._outbox = self._outbox, None
-            for (identity, remote), messages in outbox.items():
+            for (identity, remote), entries in outbox.items():
+                messages = joined_messages(entries, b"")
                 batches = messages if len(messages) == 1 else batch_messages(messages, -1)
                 for frames in batches:
                     self.broker.route(identity, frames, remote)

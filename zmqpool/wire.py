@@ -137,7 +137,7 @@ a view of it: a batch allocates nothing (the views share the joined frame).
 Rows joined. Inside such a worker's batch of replies, the results of envs
 whose parts have the same layouts (already announced, tensors only, each of at
 most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`) travel as one
-``RESULTS`` message (:func:`result_messages`, :func:`results_rows`): its header
+``RESULTS`` message (:func:`joined_messages`, :func:`results_rows`): its header
 carries the first env, seq 0, the worker's token, the shared layout ids and
 the body ``{"envs": [env, ...], "seqs": [seq, ...]}``; frame ``i`` after it is
 every env's frame ``i``, back to back in the order of ``envs``, so one frame
@@ -146,6 +146,21 @@ that order, each matched to its own awaited seq and held to its own env's
 specs. The pool refuses it whole unless every env is the sender's, none comes
 twice, there are at least two and at most the sender's envs, and each frame is
 exactly ``rows`` times the layout's; it then makes views, allocating nothing.
+
+The other way, a call's commands to such a worker join the same way: those of
+one command (one of :data:`JOINABLE_COMMANDS`, without a body) whose parts
+have the same announced layouts travel as one ``COMMANDS`` message
+(:func:`command_rows`): env the first env, seq 0, no token, the layout ids,
+the body ``{"c": command, "envs": [...], "seqs": [...]}``, frames as in a
+``RESULTS``. It may travel alone or inside a BATCH (a message like any
+other). The worker takes it as one command per env, in order, each with its
+own seq, exactly as if each had come alone; it drops it whole (counted, as a
+malformed batch) unless ``c`` is joinable and the envs and seqs pass the
+checks of a ``RESULTS`` (its own envs as the bound); a frame that is not
+``rows`` times its layout's answers every env of it with an error (malformed
+command). A row that announces a layout, or carries non-tensors, breaks the
+run and goes as its own message in its place, so a layout is always
+announced before a joined row uses it.
 
 Limits. Every count, length and size a peer sends is held to a bound of
 :mod:`zmqpool.limits` before anything is allocated. A layout is refused when it
@@ -192,7 +207,9 @@ if TYPE_CHECKING:
 #: version-2 peer would refuse, losing the requests or replies inside.
 #: 4: the results of several envs may travel with their rows joined
 #: (:data:`Command.RESULTS`), which a version-3 pool would drop.
-PROTOCOL_VERSION = 4
+#: 5: the commands of several envs may travel with their rows joined
+#: (:data:`Command.COMMANDS`), which a version-4 worker would drop.
+PROTOCOL_VERSION = 5
 
 
 class Command(enum.IntEnum):
@@ -209,6 +226,7 @@ class Command(enum.IntEnum):
     WELCOME = 8  # registration accepted: body["reg"] has token and env indices
     REFUSE = 9  # registration refused: body["err"]
     PING = 10  # the pool's heartbeat
+    COMMANDS = 11  # several envs' commands, rows joined: body["c"], body["envs"], body["seqs"]
     # worker -> pool, on the broker's ROUTER
     REGISTER = 20  # body["reg"]: env indices, specs, pid
     FAILED = 21  # building an env failed: body["err"], body["tb"]
@@ -369,14 +387,17 @@ class _Run:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ResultRow:
-    """One env's result on its way out of a worker, still as encoded parts.
+class Row:
+    """One env's command or result on its way out, still as encoded parts.
 
-    A worker keeps these, rather than messages, while a batch runs inline, so
-    that :func:`result_messages` can join the rows of envs whose results share
-    their layouts.
+    The pool keeps these while it sends a call's commands to a batching
+    worker, and such a worker keeps its results while a batch runs inline, so
+    that :func:`joined_messages` can join the rows of envs whose parts share
+    their layouts. ``command`` is the message a row alone is: a command
+    (``STEP``, ...) or ``RESULT``.
     """
 
+    command: Command
     env: int
     seq: int
     parts: list[EncodedPart]
@@ -384,69 +405,100 @@ class ResultRow:
     def joinable_nbytes(self) -> int | None:
         """This row's bytes, if it may be joined with others (nothing announced, tensors only,
         at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`); else None."""
-        if any(p.new_layout is not None or p.nontensor for p in self.parts):
-            return None
-        nbytes = sum(memoryview(f).nbytes for p in self.parts for f in p.frames)
+        nbytes = 0
+        for part in self.parts:  # loops, not generators: this runs for every env-step
+            if part.new_layout is not None or part.nontensor:
+                return None
+            for frame in part.frames:
+                nbytes += memoryview(frame).nbytes
         return nbytes if nbytes <= MAX_BATCHED_MESSAGE_BYTES else None
 
-    def layout_ids(self) -> tuple[int, ...]:
-        return tuple(p.layout_id for p in self.parts)
+    def joins(self, other: Row) -> bool:
+        """Whether ``other`` may travel in one message with this row: one command, one layout."""
+        if self.command != other.command or len(self.parts) != len(other.parts):
+            return False
+        for mine, theirs in zip(self.parts, other.parts, strict=True):
+            if mine.layout_id != theirs.layout_id:
+                return False
+        return True
 
     def message(self, token: bytes) -> list[Any]:
-        """This row alone: a RESULT message."""
-        return encode_message(Header(Command.RESULT, self.env, self.seq, token), self.parts)
+        """This row alone: a message of its command."""
+        return encode_message(Header(self.command, self.env, self.seq, token), self.parts)
 
 
-def result_messages(outbox: Sequence[ResultRow | list[Any]], token: bytes) -> list[list[Any]]:
-    """A worker's kept replies as messages: runs of rows of the same layouts joined.
+#: The commands whose rows may travel joined (:data:`Command.COMMANDS`): those
+#: that carry a tensordict, or nothing, to one env and need no body.
+JOINABLE_COMMANDS = frozenset(
+    (
+        Command.STEP,
+        Command.STEP_RAW,
+        Command.STEP_AND_MAYBE_RESET,
+        Command.RESET,
+        Command.RESET_RAW,
+    )
+)
 
-    Consecutive joinable :class:`ResultRow` s whose parts have the same layout
-    ids become one :data:`Command.RESULTS` (:func:`pack_results`), of at most
-    :data:`~zmqpool.limits.MAX_BATCH_BYTES`; any other row becomes its own
-    RESULT, and a message (an error reply) stays as it is. The order is kept.
+
+def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[list[Any]]:
+    """Kept commands or replies as messages: runs of rows of one command and layouts joined.
+
+    Consecutive joinable :class:`Row` s that :meth:`Row.joins` become one
+    :data:`Command.RESULTS` or :data:`Command.COMMANDS` (:func:`pack_rows`), of
+    at most :data:`~zmqpool.limits.MAX_BATCH_BYTES`; any other row becomes its
+    own message, and a message (an error reply, a command with a body) stays as
+    it is. The order is kept: a row may use a layout an earlier message announced.
     """
     out: list[list[Any]] = []
-    run: list[ResultRow] = []
+    run: list[Row] = []
     nbytes = 0
     for entry in outbox:
-        joinable = _joinable(entry)
-        if run and (joinable is None or not _joins(run, *joinable, nbytes)):
-            out.append(pack_results(run, token))
+        if not isinstance(entry, Row):
+            if run:
+                out.append(pack_rows(run, token))
+                run, nbytes = [], 0
+            out.append(entry)
+            continue
+        row_nbytes = entry.joinable_nbytes()
+        if run and (row_nbytes is None or not _joins(run, entry, nbytes + row_nbytes)):
+            out.append(pack_rows(run, token))
             run, nbytes = [], 0
-        if joinable is None:
-            out.append(entry.message(token) if isinstance(entry, ResultRow) else entry)
+        if row_nbytes is not None and (run or _may_join(entry.command)):
+            run.append(entry)  # a row that joins the run's first has its command
+            nbytes += row_nbytes
         else:
-            run.append(joinable[0])
-            nbytes += joinable[1]
+            out.append(entry.message(token))
     if run:
-        out.append(pack_results(run, token))
+        out.append(pack_rows(run, token))
     return out
 
 
-def _joinable(entry: ResultRow | list[Any]) -> tuple[ResultRow, int] | None:
-    """The row and its bytes, if ``entry`` is a row that may be joined; else None."""
-    if not isinstance(entry, ResultRow):
-        return None
-    nbytes = entry.joinable_nbytes()
-    return None if nbytes is None else (entry, nbytes)
+def _may_join(command: Command) -> bool:
+    return command == Command.RESULT or command in JOINABLE_COMMANDS
 
 
-def _joins(run: list[ResultRow], row: ResultRow, nbytes: int, joined_nbytes: int) -> bool:
-    same = row.layout_ids() == run[0].layout_ids()
-    return same and joined_nbytes + nbytes <= MAX_BATCH_BYTES
+def _joins(run: list[Row], row: Row, joined_nbytes: int) -> bool:
+    return joined_nbytes <= MAX_BATCH_BYTES and run[0].joins(row)
 
 
-def pack_results(rows: Sequence[ResultRow], token: bytes) -> list[Any]:
-    """One RESULTS message for ``rows`` (of the same layouts); a single row: its RESULT.
+def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
+    """One RESULTS or COMMANDS message for ``rows`` (which join); a single row: its message.
 
     Frame ``i`` after the header is every row's frame ``i``, back to back in
-    the order of ``envs``: what the pool stacks anyway (:func:`zmqpool.batching.stack_parts`).
+    the order of ``envs``: what the pool stacks anyway
+    (:func:`zmqpool.batching.stack_parts`), and what a worker takes apart with
+    :meth:`~zmqpool.codec.Decoder.decode_rows`.
     """
     if len(rows) == 1:
         return rows[0].message(token)
-    body = {"envs": [r.env for r in rows], "seqs": [r.seq for r in rows]}
-    header = Header(Command.RESULTS, rows[0].env, 0, token)
-    frames: list[Any] = [_pack_header(header, list(rows[0].layout_ids()), body)]
+    first = rows[0]
+    body: dict[str, Any] = {"envs": [r.env for r in rows], "seqs": [r.seq for r in rows]}
+    if first.command == Command.RESULT:
+        header = Header(Command.RESULTS, first.env, 0, token)
+    else:
+        header = Header(Command.COMMANDS, first.env, 0, token)
+        body["c"] = int(first.command)
+    frames: list[Any] = [_pack_header(header, [p.layout_id for p in first.parts], body)]
     columns = zip(*[[f for p in r.parts for f in p.frames] for r in rows], strict=True)
     frames += [b"".join(column) for column in columns]
     return frames
@@ -462,15 +514,38 @@ def results_rows(header: Header, max_rows: int) -> tuple[list[int], list[int]]:
     body = header.body
     if body is None or body.keys() != {"envs", "seqs"}:
         raise ProtocolError('a RESULTS body must hold exactly "envs" and "seqs"')
+    return _rows_of(header, body, max_rows, "RESULTS")
+
+
+def command_rows(header: Header, max_rows: int) -> tuple[Command, list[int], list[int]]:
+    """A COMMANDS header's command, envs and seqs, checked as :func:`results_rows` checks.
+
+    The command must be one of :data:`JOINABLE_COMMANDS`. Raises
+    :class:`ProtocolError`. Whether the envs are the worker's is the worker's
+    business (a command for an env it does not host is answered with an error).
+    """
+    body = header.body
+    if body is None or body.keys() != {"c", "envs", "seqs"}:
+        raise ProtocolError('a COMMANDS body must hold exactly "c", "envs" and "seqs"')
+    command = _COMMANDS.get(body["c"]) if is_int(body["c"]) else None
+    if command not in JOINABLE_COMMANDS:
+        raise ProtocolError(f"COMMANDS of {body['c']!r}, not a command that may be joined")
+    envs, seqs = _rows_of(header, body, max_rows, "COMMANDS")
+    return command, envs, seqs
+
+
+def _rows_of(
+    header: Header, body: dict[str, Any], max_rows: int, what: str
+) -> tuple[list[int], list[int]]:
     envs, seqs = body["envs"], body["seqs"]
     if type(envs) is not list or type(seqs) is not list or len(envs) != len(seqs):
-        raise ProtocolError("RESULTS envs and seqs must be lists of one length")
+        raise ProtocolError(f"{what} envs and seqs must be lists of one length")
     if not 2 <= len(envs) <= max_rows:
-        raise ProtocolError(f"RESULTS of {len(envs)} rows, where 2 to {max_rows} fit")
+        raise ProtocolError(f"{what} of {len(envs)} rows, where 2 to {max_rows} fit")
     if any(not is_int(e) for e in envs) or any(not is_int(s) or s < 0 for s in seqs):
-        raise ProtocolError("RESULTS envs and seqs must be integers (seqs >= 0)")
+        raise ProtocolError(f"{what} envs and seqs must be integers (seqs >= 0)")
     if envs[0] != header.env or len(set(envs)) != len(envs):
-        raise ProtocolError("RESULTS envs must start with the header's env, each once")
+        raise ProtocolError(f"{what} envs must start with the header's env, each once")
     return envs, seqs
 
 
