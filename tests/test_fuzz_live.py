@@ -713,6 +713,9 @@ def announced(worker: Worker, encoder: Encoder, decoder: Decoder) -> None:
     """A lone step of env 1 announces the action's layout to the worker, and its reply's to us."""
     action = TensorDict({"action": torch.tensor([0.25])}, [])
     assert worker.handle(command(Header(Command.STEP, 1, 1), action, encoder))
+    deadline = time.monotonic() + 10.0  # an env thread replies when its env is done
+    while not worker.push.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
     [reply] = worker.push.sent
     decoder.decode(Header.decode(reply[0]), reply[1:])
     worker.push.sent.clear()
@@ -846,6 +849,33 @@ def test_with_env_threads_each_reply_goes_when_it_is_ready(tmp_path):
         ]
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_a_worker_of_several_envs_asks_for_a_calls_commands_as_one_message(tmp_path, env_threads):
+    """With env threads too: its main thread decodes a COMMANDS once and hands each row to its
+    env's thread, which replies as its env is done (a RESULT each)."""
+    worker, decoder, encoder = two_env_worker(tmp_path, env_threads), Decoder(), Encoder()
+    try:
+        assert worker.registration().batches
+        announced(worker, encoder, decoder)
+        assert worker.handle(joined_steps(encoder, {0: 1, 1: 2}))
+        deadline = time.monotonic() + 10.0
+        while env_threads and len(worker.push.sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answered = sorted(
+            (h.command, h.env, h.seq) for m in worker.push.sent for h in _headers_of(m)
+        )
+        assert answered == [(Command.RESULT, 0, 1), (Command.RESULT, 1, 2)]
+        if env_threads:  # one by one, as each env is done
+            assert [Header.decode(m[0]).command for m in worker.push.sent] == [Command.RESULT] * 2
+    finally:
+        worker.close()
+    one = Worker(f"ipc://{tmp_path}/nobody", b"w1", EnvHost({0: CountingEnv()}), env_threads=True)
+    try:
+        assert not one.registration().batches  # one env: nothing to join
+    finally:
+        one.close()
 
 
 def test_malformed_batches_are_dropped_and_the_envs_live_on(tmp_path):

@@ -223,18 +223,7 @@ class Worker:
 
     def register(self) -> None:
         """Send REGISTER until the pool answers (with backoff), then take its WELCOME."""
-        reg = Register(
-            pid=os.getpid(),
-            host=socket.gethostname()[:MAX_HOST_CHARS],
-            envs=tuple(sorted(self.host.envs)),
-            remote=self.remote_slots,
-            incarnation=self.incarnation,
-            slots=None if self.slots is None else tuple(self.slots),
-            specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
-            # Batched commands pay only when their replies go back batched too
-            # (measured: with env threads, -5% steps/s for nothing).
-            batches=self.runners is None and len(self.host.envs) > 1,
-        )
+        reg = self.registration()
         message = Header(Command.REGISTER, body=reg.to_body()).encode()
         if len(message) > self._control_limit()[0]:
             self._refuse_oversized(len(message), reg)
@@ -250,6 +239,22 @@ class Worker:
                 f"({err}): run the same zmqpool version on the trainer and the workers"
             ) from err
         self._accept_welcome(welcome)
+
+    def registration(self) -> Register:
+        """What this worker's REGISTER says: its envs, their specs, how to send it commands."""
+        return Register(
+            pid=os.getpid(),
+            host=socket.gethostname()[:MAX_HOST_CHARS],
+            envs=tuple(sorted(self.host.envs)),
+            remote=self.remote_slots,
+            incarnation=self.incarnation,
+            slots=None if self.slots is None else tuple(self.slots),
+            specs=tuple(spec_to_data(self.host.envs[i].specs) for i in sorted(self.host.envs)),
+            # With env threads too: a call's commands then come as one COMMANDS,
+            # one header and one decode for them all (measured in docs/PERFORMANCE.md,
+            # session 22: +18% steps/s; BATCH alone had cost 5% for nothing).
+            batches=len(self.host.envs) > 1,
+        )
 
     def _refuse_oversized(self, size: int, reg: Register) -> None:
         """Raise, saying why, rather than send a REGISTER the pool's ROUTER would drop unseen.

@@ -23,8 +23,8 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         specs         list of map, one per env, same length as envs: the env's specs
                                            (:func:`zmqpool.specs.spec_to_data`), checked
                                            by the pool with :func:`~zmqpool.specs.spec_from_data`
-        batches       bool                 it steps its envs in its main thread and answers a
-                                           BATCH of commands with one: send it batches
+        batches       bool                 it hosts several envs: send it a call's commands
+                                           as one message (wire: batches, rows joined)
 
     WELCOME    pool -> worker, ROUTER      {"reg": {...}}              Welcome
         token         bytes [1, 64]        the session token its results must carry

@@ -122,11 +122,11 @@ message as above (its own header first) and is handled exactly as if it had
 come alone, in order, checks and all; a ``BATCH`` inside a batch is refused.
 The pool batches the commands of one call that go to one worker, if that
 worker asked for batches when it registered (``batches`` in its REGISTER: it
-steps its envs in its main thread, so it answers a batch with one); such a
-worker keeps the replies of a batch and sends them together when it ends, or
-before a command whose env took over a millisecond last time, so that no
-reply waits on a slow env. A worker with env threads replies one by one, as
-each env is done, and gets its commands one by one. Only messages of at most
+hosts several envs). A worker that steps its envs in its main thread keeps
+the replies of a batch and sends them together when it ends, or before a
+command whose env took over a millisecond last time, so that no reply waits
+on a slow env; a worker with env threads hands each command to its env's
+thread and replies one by one, as each env is done. Only messages of at most
 :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES` are joined, into frames of at
 most :data:`~zmqpool.limits.MAX_BATCH_BYTES` (under every socket's
 ``MAXMSGSIZE``); larger ones go alone, in their place, zero-copy frames and
