@@ -343,6 +343,26 @@ def test_a_row_that_announces_or_differs_or_an_error_breaks_the_run_in_its_place
     assert headers[1].body == {"envs": [1, 2], "seqs": [10, 11]}
 
 
+def test_a_second_row_of_an_env_begins_the_next_run():
+    # A peer takes each env once per RESULTS; a worker's queue may hold two replies of one env.
+    encoder = Encoder()
+    _learned(encoder)
+    a, b = _rows(encoder, [1.0, 2.0])
+    again = Row(Command.RESULT, 0, 12, a.parts)
+    out = joined_messages([a, b, again], b"")
+    headers = [Header.decode(m[0]) for m in out]
+    assert [(h.command, h.env) for h in headers] == [(Command.RESULTS, 0), (Command.RESULT, 0)]
+    assert results_rows(headers[0], 2) == ([0, 1], [10, 11])
+    assert headers[1].seq == 12
+
+
+def test_a_batch_holds_at_most_max_messages():
+    messages = [_message(env) for env in range(5)]
+    out = batch_messages(messages, env=0, max_messages=2)
+    assert [Header.decode(m[0]).command for m in out] == [Command.BATCH] * 2 + [Command.RESULT]
+    assert [m for b in out[:2] for m in _split(b, 2)] + out[2:] == messages
+
+
 def test_joined_rows_stay_under_the_batch_limit_and_large_rows_go_alone():
     encoder = Encoder()
     row_bytes = MAX_BATCHED_MESSAGE_BYTES // 2

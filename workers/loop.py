@@ -7,8 +7,10 @@ one call for this worker's envs) is taken apart and each command handled in
 turn, and so is a COMMANDS (commands of one kind and layout, rows joined: one
 command per row; wire: rows joined). When the envs run in this thread (no env
 threads, or one env), their replies go back as a BATCH too, once the last has
-run (wire: batches), those of one layout as one RESULTS. The loop only moves
-frames: what a command does to an env is
+run (wire: batches), those of one layout as one RESULTS. With env threads,
+a reply that finds another thread sending is left to it and goes with its
+reply, joined the same way (:mod:`workers.replies`); none waits for company.
+The loop only moves frames: what a command does to an env is
 :mod:`workers.hosting`'s business.
 
 A remote worker also listens to the pool's heartbeats (a SUB socket, in the
@@ -32,7 +34,7 @@ itself: each TCP socket's :class:`_DropWatch` does, so neither an oversized
 command nor a peer posing as the pool cuts a worker off for good.
 
 Threads and sockets: the main thread owns the DEALER, the heartbeat thread
-its own DEALER (and SUB), and the PUSH is shared under the send lock. Closing
+its own DEALER (and SUB), and the PUSH is shared under the reply queue's lock. Closing
 stops the threads first (each closes its own sockets), then closes the main
 thread's, then ends the context: never ``Context.destroy()``, which closes
 every socket from one thread while the others may still use theirs.
@@ -56,6 +58,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from workers.hosting import EnvHost
+from workers.replies import ReplyQueue
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
 from zmqpool.codec import DecodedPart, Decoder, Encoder, layout_of
@@ -181,7 +184,8 @@ class Worker:
         self.malformed_beats = 0
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
-        self._send_lock = threading.Lock()
+        #: Every reply goes through it: the encoder's layout ids and the PUSH are its lock's.
+        self._replies: ReplyQueue[_Result | list[Any]] = ReplyQueue(self._send_now)
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
         self._outbox: list[Row | list[Any]] | None = None
         #: How long each hosted env's last command run inline took (s).
@@ -333,7 +337,7 @@ class Worker:
         # The pool may place our envs at other indices (remote workers ask for slots).
         hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
         self.host.envs = dict(zip(envs, hosted, strict=True))
-        with self._send_lock:  # env threads may be replying to the old pool
+        with self._replies.holding():  # env threads may be replying to the old pool
             self.token = welcome.token
             self._close_push()
             self.push = self._socket(zmq.PUSH)
@@ -349,7 +353,7 @@ class Worker:
     def _rejoin(self) -> None:
         """The pool went away or was replaced: forget its layouts, register again."""
         log.warning("the pool at %s went away or restarted; registering again", self.router)
-        with self._send_lock:
+        with self._replies.holding():
             self.encoder.forget()
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
         self.register()
@@ -382,12 +386,12 @@ class Worker:
         """Connect the DEALER and the PUSH again if a protocol error dropped them for good."""
         if self._dealer_watch is not None:
             self._dealer_watch.check()
-        with self._send_lock:
+        with self._replies.holding():
             if self._push_watch is not None:
                 self._push_watch.check()
 
     def _close_push(self) -> None:
-        """Close the PUSH and its watch (the caller holds the send lock)."""
+        """Close the PUSH and its watch (the caller holds the reply queue's lock)."""
         if self._push_watch is not None:
             self._push_watch.close()
             self._push_watch = None
@@ -533,11 +537,19 @@ class Worker:
         outbox, self._outbox = self._outbox, [] if reopen else None
         if not outbox:
             return
-        # The batch's env names this worker to the pool: one it hosts.
-        env = next(iter(self.host.envs), -1)
-        with self._send_lock:
-            for frames in batch_messages(joined_messages(outbox, self.token), env, self.token):
+        with self._replies.holding():
+            for frames in self._joined(outbox):
                 self._push(frames)
+
+    def _joined(self, replies: list[Row | list[Any]]) -> list[list[Any]]:
+        """Replies as few messages as can be: rows joined, small messages batched.
+
+        A batch holds at most one message per hosted env, as the pool takes it.
+        """
+        # A batch's env names this worker to the pool: one it hosts.
+        env = next(iter(self.host.envs), -1)
+        joined = joined_messages(replies, self.token)
+        return batch_messages(joined, env, self.token, max(1, len(self.host.envs)))
 
     def _execute(self, command: _Command) -> None:
         header = command.header
@@ -561,26 +573,38 @@ class Worker:
         """Run one command on its env and send the reply (from an env thread, maybe)."""
         try:
             out = self.host.run(header.command, header.env, td, header.body)
-            with self._send_lock:  # the encoder's layout ids and the socket are shared
-                parts = [self.encoder.encode(part) for part in out]
-                self._send_unlocked(Row(Command.RESULT, header.env, header.seq, parts))
-            return
         except Exception as err:
-            reply = self._error_reply(header, err)
-        self._send(reply)
+            self._send(self._error_reply(header, err))
+            return
+        self._send(_Result(header, out))
 
-    def _send(self, reply: list[Any]) -> None:
-        with self._send_lock:
-            self._send_unlocked(reply)
+    def _send(self, reply: _Result | list[Any]) -> None:
+        """Send a reply now, or leave it to the thread sending now: it goes with that one's."""
+        self._replies.put(reply)
 
-    def _send_unlocked(self, reply: Row | list[Any]) -> None:
-        """Send a reply (a result still as its row, or a message), or keep it in the outbox."""
+    def _send_now(self, replies: list[_Result | list[Any]]) -> None:
+        """With the reply lock: encode results, then send them (or keep them: a batch inline).
+
+        Several replies (queued while another thread sent) go as few messages as can be.
+        """
+        ready = [self._encoded(r) if isinstance(r, _Result) else r for r in replies]
         if self._outbox is not None:  # a batch runs inline: its replies go when it ends
-            self._outbox.append(reply)  # where results of one layout may be joined
-        elif isinstance(reply, Row):
-            self._push(reply.message(self.token))
+            self._outbox.extend(ready)  # where results of one layout may be joined
+        elif len(ready) > 1:
+            for frames in self._joined(ready):
+                self._push(frames)
         else:
-            self._push(reply)
+            reply = ready[0]
+            self._push(reply.message(self.token) if isinstance(reply, Row) else reply)
+
+    def _encoded(self, result: _Result) -> Row | list[Any]:
+        """A result as its row; an output that cannot cross the wire, as the env's error."""
+        header = result.header
+        try:
+            parts = [self.encoder.encode(part) for part in result.parts]
+        except Exception as err:
+            return self._error_reply(header, err)
+        return Row(Command.RESULT, header.env, header.seq, parts)
 
     def _push(self, reply: list[Any]) -> None:
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
@@ -667,7 +691,7 @@ class Worker:
         heartbeat = self._heartbeat
         if heartbeat is not None:
             heartbeat.join(max(deadline - time.monotonic(), 0.0))
-        with self._send_lock:
+        with self._replies.holding():
             self._close_push()
         if self._dealer_watch is not None:
             self._dealer_watch.close()
@@ -859,6 +883,14 @@ def reachable(endpoint: str, router: str) -> str:
     if host in ("0.0.0.0", "*", "::", "[::]"):
         host = router[6:].rsplit(":", 1)[0]
     return f"tcp://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Result:
+    """An env's output for a command, not yet encoded (encoding needs the reply lock)."""
+
+    header: Header
+    parts: list[Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

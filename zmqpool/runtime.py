@@ -484,16 +484,19 @@ class Runtime:
         A ready error is handed to ``raise_error``, which raises it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        drained = self.pump(0)
+        # With too few ready, the first wait takes what is queued at once: a look
+        # without waiting before it would be one more poll (~9 us) for every recv.
+        looked = self.ledger.count_ready(channel) >= min_get
+        drained = self.pump(0) if looked else True
         while self.ledger.count_ready(channel) < min_get:
             self._raise_ready_error(channel, raise_error)
             remaining = self._remaining(deadline)
-            if remaining <= 0:
+            if remaining <= 0 and looked:  # an expired deadline still takes what is queued
                 raise TimeoutError(
                     f"async recv timed out: {self.ledger.count_ready(channel)}/{min_get} results "
                     f"after {timeout}s; they remain available to the next call."
                 )
-            drained = self.pump(remaining)
+            drained, looked = self.pump(max(0.0, remaining)), True
         if deadline is not None:
             awaiting = self.ledger.awaiting(channel)
             wanted = awaiting if max_get is None else min(awaiting, max_get)

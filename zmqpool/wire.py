@@ -126,7 +126,9 @@ hosts several envs). A worker that steps its envs in its main thread keeps
 the replies of a batch and sends them together when it ends, or before a
 command whose env took over a millisecond last time, so that no reply waits
 on a slow env; a worker with env threads hands each command to its env's
-thread and replies one by one, as each env is done. Only messages of at most
+thread and replies as each env is done, except that replies ready while
+another thread is sending go right after it, together (at most one message
+per env in a batch). Only messages of at most
 :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES` are joined, into frames of at
 most :data:`~zmqpool.limits.MAX_BATCH_BYTES` (under every socket's
 ``MAXMSGSIZE``); larger ones go alone, in their place, zero-copy frames and
@@ -134,10 +136,11 @@ all. A receiver checks the counts and sizes against the joined frame, and the
 number of messages against what the peer may have in flight, before it makes
 a view of it: a batch allocates nothing (the views share the joined frame).
 
-Rows joined. Inside such a worker's batch of replies, the results of envs
-whose parts have the same layouts (already announced, tensors only, each of at
-most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`) travel as one
-``RESULTS`` message (:func:`joined_messages`, :func:`results_rows`): its header
+Rows joined. Among a worker's kept replies (a batch run inline, or replies
+queued while another env thread sent), the results of envs whose parts have
+the same layouts (already announced, tensors only, each of at most
+:data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`) travel as one ``RESULTS``
+message, alone or inside a BATCH (:func:`joined_messages`, :func:`results_rows`): its header
 carries the first env, seq 0, the worker's token, the shared layout ids and
 the body ``{"envs": [env, ...], "seqs": [seq, ...]}``; frame ``i`` after it is
 every env's frame ``i``, back to back in the order of ``envs``, so one frame
@@ -332,14 +335,17 @@ def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
 # ---------------------------------------------------------------- batches
 
 
-def batch_messages(messages: Sequence[list[Any]], env: int, token: bytes = b"") -> list[list[Any]]:
+def batch_messages(
+    messages: Sequence[list[Any]], env: int, token: bytes = b"", max_messages: int | None = None
+) -> list[list[Any]]:
     """``messages`` (each its header frame, then its tensor frames) as few messages as can be.
 
     Runs of small messages (at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`
     each) become one :data:`Command.BATCH` each, of at most
-    :data:`~zmqpool.limits.MAX_BATCH_BYTES` and
-    :data:`~zmqpool.limits.MAX_BATCH_FRAMES` frames; a larger message goes as it
-    is, in its place. The order is kept: a message may use a layout an earlier
+    :data:`~zmqpool.limits.MAX_BATCH_BYTES`,
+    :data:`~zmqpool.limits.MAX_BATCH_FRAMES` frames and ``max_messages``
+    messages (what the receiver takes in one batch; None: no count); a larger
+    message goes as it is, in its place. The order is kept: a message may use a layout an earlier
     one announced. ``env`` and ``token`` go in each batch's header (a result
     batch's ``env`` is one its worker hosts, so the pool finds the worker's link by it).
     """
@@ -348,7 +354,7 @@ def batch_messages(messages: Sequence[list[Any]], env: int, token: bytes = b"") 
     for frames in messages:
         sizes = [memoryview(f).nbytes for f in frames]
         fits = sum(sizes) <= MAX_BATCHED_MESSAGE_BYTES
-        if run.messages and (not fits or not run.takes(sizes)):
+        if run.messages and (not fits or not run.takes(sizes, max_messages)):
             out.append(run.message(env, token))
             run = _Run()
         if fits:
@@ -368,7 +374,9 @@ class _Run:
     sizes: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
 
-    def takes(self, sizes: list[int]) -> bool:
+    def takes(self, sizes: list[int], max_messages: int | None) -> bool:
+        if max_messages is not None and len(self.messages) >= max_messages:
+            return False
         fits_bytes = self.nbytes + sum(sizes) <= MAX_BATCH_BYTES
         return fits_bytes and len(self.sizes) + len(sizes) <= MAX_BATCH_FRAMES
 
@@ -391,8 +399,9 @@ class Row:
     """One env's command or result on its way out, still as encoded parts.
 
     The pool keeps these while it sends a call's commands to a batching
-    worker, and such a worker keeps its results while a batch runs inline, so
-    that :func:`joined_messages` can join the rows of envs whose parts share
+    worker, and such a worker keeps its results while a batch runs inline (or
+    while another env thread sends), so that :func:`joined_messages` can join
+    the rows of envs whose parts share
     their layouts. ``command`` is the message a row alone is: a command
     (``STEP``, ...) or ``RESULT``.
     """
@@ -445,26 +454,29 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
 
     Consecutive joinable :class:`Row` s that :meth:`Row.joins` become one
     :data:`Command.RESULTS` or :data:`Command.COMMANDS` (:func:`pack_rows`), of
-    at most :data:`~zmqpool.limits.MAX_BATCH_BYTES`; any other row becomes its
-    own message, and a message (an error reply, a command with a body) stays as
-    it is. The order is kept: a row may use a layout an earlier message announced.
+    at most :data:`~zmqpool.limits.MAX_BATCH_BYTES`, each env in it once (a
+    second row of an env begins the next run); any other row becomes its own
+    message, and a message (an error reply, a command with a body) stays as it
+    is. The order is kept: a row may use a layout an earlier message announced.
     """
     out: list[list[Any]] = []
     run: list[Row] = []
+    envs: set[int] = set()  # the run's: a peer takes each env once a message
     nbytes = 0
     for entry in outbox:
         if not isinstance(entry, Row):
             if run:
                 out.append(pack_rows(run, token))
-                run, nbytes = [], 0
+                run, envs, nbytes = [], set(), 0
             out.append(entry)
             continue
         row_nbytes = entry.joinable_nbytes()
-        if run and (row_nbytes is None or not _joins(run, entry, nbytes + row_nbytes)):
+        if run and (row_nbytes is None or not _joins(run, entry, envs, nbytes + row_nbytes)):
             out.append(pack_rows(run, token))
-            run, nbytes = [], 0
+            run, envs, nbytes = [], set(), 0
         if row_nbytes is not None and (run or _may_join(entry.command)):
             run.append(entry)  # a row that joins the run's first has its command
+            envs.add(entry.env)
             nbytes += row_nbytes
         else:
             out.append(entry.message(token))
@@ -477,8 +489,8 @@ def _may_join(command: Command) -> bool:
     return command == Command.RESULT or command in JOINABLE_COMMANDS
 
 
-def _joins(run: list[Row], row: Row, joined_nbytes: int) -> bool:
-    return joined_nbytes <= MAX_BATCH_BYTES and run[0].joins(row)
+def _joins(run: list[Row], row: Row, envs: set[int], joined_nbytes: int) -> bool:
+    return joined_nbytes <= MAX_BATCH_BYTES and row.env not in envs and run[0].joins(row)
 
 
 def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
