@@ -64,6 +64,15 @@ def test_replies_put_while_the_socket_is_held_go_after_it_together_in_order():
     assert sink.calls == [["a", "b"]]
 
 
+def test_replies_queued_while_a_holder_fails_still_go():
+    sink = Sink()
+    queue = ReplyQueue(sink)
+    with pytest.raises(RuntimeError), queue.holding():
+        _in_thread(queue.put, "a").join(WAIT_S)
+        raise RuntimeError("the socket could not be replaced")
+    assert sink.calls == [["a"]]
+
+
 def test_a_failed_send_reaches_its_caller_and_the_queue_goes_on():
     calls: list[list[str]] = []
 

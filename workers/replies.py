@@ -47,9 +47,11 @@ class ReplyQueue(Generic[Entry]):
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
         """Hold the lock (to use or replace the socket); what was queued meanwhile goes after."""
-        with self._lock:
-            yield
-        self._drain()
+        try:
+            with self._lock:
+                yield
+        finally:  # even if the holder failed: what others queued must not wait for a next put
+            self._drain()
 
     def _drain(self) -> None:
         while self._queued:
