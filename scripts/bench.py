@@ -21,6 +21,10 @@ Scenarios (``--num-envs`` envs, 4 by default, unless stated):
 - ``batch32``: 64 cheap envs, 16 per worker process, a loop whose recvs use
   ``min_get=32`` (the results per recv are reported): the trainer's CPU per
   env-step when recvs return 32 or more results;
+- ``mdp``: the cheap env in the loop a trainer writes: each result's
+  ``step_mdp`` (its next observations and done flags as the root) goes back
+  with the action set in it, so each command carries the observation too,
+  as in the issue's own measurements;
 - ``cartpole``: gymnasium's ``CartPole-v1``, ``AsyncVectorEnv`` of
   ``gymnasium.make`` (which autoresets) against zmqpool over torchrl's
   ``GymEnv`` stepped with ``async_step_and_maybe_reset_*``, random actions;
@@ -50,7 +54,8 @@ Every row measures env-steps for ``--seconds`` of wall time after a warm-up,
 and (on Linux) the CPU time and context switches of every thread of the
 process tree (this process and its workers) per env-step;
 building the pool and its first reset are not counted. Actions carry only the
-``action`` key (what a trainer sends back); results are not copied further.
+``action`` key (``mdp``: the result's ``step_mdp`` with its action); results are
+not copied further.
 
 ``--repeat N`` runs the whole plan N times, interleaved: round 1 measures every
 (scenario, row) once in plan order, then round 2 again, and so on, so a row and
@@ -106,6 +111,7 @@ import torchrl
 import zmq
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase, GymEnv, ParallelEnv
+from torchrl.envs.utils import step_mdp
 
 # Measure the checkout this script lives in, whichever zmqpool is installed
 # (an editable install may point at another clone); workers inherit sys.path.
@@ -162,6 +168,9 @@ class Scenario:
     envs_per_worker: int | None = None
     #: a scale row: also start-up, close and memory (PSS) per env.
     scale: bool = False
+    #: the async loop sends ``step_mdp`` of each result with its action set (what a
+    #: trainer's loop sends: observations and done flags too), not a fresh action batch.
+    mdp: bool = False
 
     @property
     def payload_bytes(self) -> int:
@@ -230,6 +239,7 @@ def build_scenarios(quick: bool) -> dict[str, Scenario]:
             envs_per_worker=16,
         ),
         Scenario("cartpole", (4,), ("zmqpool", "gym-async"), env="cartpole"),
+        Scenario("mdp", (4,), ("zmqpool", "torchrl-shm"), mdp=True),
     ]
     scenarios += [
         Scenario(
@@ -269,6 +279,7 @@ QUICK_ROWS: dict[str, tuple[str, ...]] = {
     "roundtrip": ("zmqpool", "bare-zmq"),
     "batch32": ("zmqpool", "zmqpool-inline"),
     "cartpole": ("zmqpool", "gym-async"),
+    "mdp": ("zmqpool", "torchrl-shm"),
 }
 #: ``--scenarios scale`` stands for the scale scenarios (with ``--quick``: 16 envs only).
 SCALE_ALIAS = "scale"
@@ -370,11 +381,14 @@ def env_indices(result: TensorDictBase) -> list[int]:
 class AsyncLoop:
     """A trainer's loop on an async pool: keep every env busy, resend as results arrive."""
 
-    def __init__(self, pool: Any, num_envs: int, timeout_s: float, min_get: int = 1) -> None:
+    def __init__(
+        self, pool: Any, num_envs: int, timeout_s: float, min_get: int = 1, mdp: bool = False
+    ) -> None:
         self.pool = pool
         self.num_envs = num_envs
         self.timeout_s = timeout_s
         self.min_get = min_get
+        self.mdp = mdp
         pool.reset()
         pool.async_step_send(action_td(num_envs), env_index=list(range(num_envs)))
 
@@ -383,8 +397,15 @@ class AsyncLoop:
         # results are in, keeps collecting until it expires. The row watchdog bounds this.
         result = self.pool.async_step_recv(min_get=self.min_get)
         done = env_indices(result)
-        self.pool.async_step_send(action_td(len(done)), env_index=done)
+        self.pool.async_step_send(self._next_input(result, len(done)), env_index=done)
         return len(done)
+
+    def _next_input(self, result: TensorDictBase, count: int) -> TensorDictBase:
+        if not self.mdp:
+            return action_td(count)
+        td = step_mdp(result)  # the next observations and done flags become the root
+        td.set("action", torch.zeros(count, 1))  # the policy's output
+        return td
 
     def drain(self) -> None:
         """Collect the steps still in flight so the pool closes idle."""
@@ -394,12 +415,12 @@ class AsyncLoop:
 
 @contextlib.contextmanager
 def async_pool_row(
-    make_pool: Callable[[], Any], num_envs: int, cfg: Config, min_get: int = 1
+    make_pool: Callable[[], Any], num_envs: int, cfg: Config, min_get: int = 1, mdp: bool = False
 ) -> Iterator[Tick]:
     """Build a pool, yield its :class:`AsyncLoop`, always close it."""
     pool = make_pool()
     try:
-        loop = AsyncLoop(pool, num_envs, cfg.recv_timeout_s, min_get)
+        loop = AsyncLoop(pool, num_envs, cfg.recv_timeout_s, min_get, mdp)
         yield loop
         loop.drain()
     finally:
@@ -425,7 +446,7 @@ def zmqpool_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[
         return cartpole_zmqpool_row(sc, cfg)
     num_envs = sc.envs(cfg)
     make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg))
-    return async_pool_row(make, num_envs, cfg, sc.min_get)
+    return async_pool_row(make, num_envs, cfg, sc.min_get, sc.mdp)
 
 
 @contextlib.contextmanager
@@ -454,7 +475,7 @@ def zmqpool_tcp_row(
     """
     num_envs = sc.envs(cfg)
     make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg), **tcp_kwargs)
-    return async_pool_row(make, num_envs, cfg, sc.min_get)
+    return async_pool_row(make, num_envs, cfg, sc.min_get, sc.mdp)
 
 
 def zmqpool_inline_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[Tick]:
@@ -467,7 +488,7 @@ def zmqpool_inline_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextM
     config = importlib.import_module("zmqpool").PoolConfig(env_threads=False)
     num_envs = sc.envs(cfg)
     make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg), config=config)
-    return async_pool_row(make, num_envs, cfg, sc.min_get)
+    return async_pool_row(make, num_envs, cfg, sc.min_get, sc.mdp)
 
 
 def torchrl_pool_row(
@@ -482,7 +503,7 @@ def torchrl_pool_row(
         create_env_kwargs=sc.env_kwargs(num_envs),
         envs_per_worker=sc.per_worker(cfg),
     )
-    return async_pool_row(make_pool, num_envs, cfg, sc.min_get)
+    return async_pool_row(make_pool, num_envs, cfg, sc.min_get, sc.mdp)
 
 
 # --------------------------------------------------------------------------- CartPole-v1
@@ -1248,6 +1269,7 @@ TARGETS = (
         trainer_cpu_at_most(30, min_results=32),
     ),
     Target("cartpole", "gym-async", "same CartPole-v1", ratio_reported(REF, "gym-async")),
+    Target("mdp", "torchrl-shm", "step_mdp loop", ratio_reported(REF, "torchrl-shm")),
     *(
         Target(f"scale{n}", "zmqpool", ">=97% of ideal", ideal_fraction_at_least(0.97))
         for n in SCALE_ENVS
