@@ -389,8 +389,12 @@ class AsyncLoop:
         self.timeout_s = timeout_s
         self.min_get = min_get
         self.mdp = mdp
-        pool.reset()
-        pool.async_step_send(action_td(num_envs), env_index=list(range(num_envs)))
+        first = pool.reset()
+        if mdp:  # what every later round sends: one set of keys in every batch of inputs
+            first.set("action", torch.zeros(num_envs, 1))
+        else:
+            first = action_td(num_envs)
+        pool.async_step_send(first, env_index=list(range(num_envs)))
 
     def __call__(self) -> int:
         # No ``timeout`` here: torchrl treats it as a deadline and, once ``min_get``
