@@ -110,19 +110,31 @@ def test_every_reply_from_many_threads_is_sent_once_in_each_threads_order():
 
 
 class SignallingEnv(CountingEnv):
-    """Says when each step starts; its second step waits until it is let go."""
+    """Says when each step starts; its second step waits until it is let go.
+
+    It returns the same output tensors every step, written in place (as envs
+    with preallocated buffers do): its second step overwrites the first's
+    output before it waits, so a reply whose bytes were not taken when its
+    step ended would carry the second step's values.
+    """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.started = [threading.Event(), threading.Event()]
         self.let_second_go = threading.Event()
+        self.out: TensorDict | None = None
 
     def _step(self, tensordict):
         n = min(self.count, 1)
+        out = super()._step(tensordict)
+        if self.out is None:
+            self.out = out
+        else:
+            self.out.update_(out)
         self.started[n].set()
         if n == 1:
             self.let_second_go.wait(WAIT_S)
-        return super()._step(tensordict)
+        return self.out
 
 
 class GatedPush:
@@ -171,7 +183,8 @@ def test_env_threads_leave_their_replies_to_the_sender_and_they_go_joined(tmp_pa
         assert worker.handle(_step_command(0, 1, encoder))
         assert push.sending_first.wait(WAIT_S), "env 0's reply was never sent"
         # Env 0's thread holds the socket. Envs 1 and 2 step and reply; their
-        # threads do not wait for the socket but go on to their next step.
+        # threads do not wait for the socket but go on to their next step
+        # (which overwrites their first output in place).
         for env in (1, 2):
             assert worker.handle(_step_command(env, 1, encoder))
             assert worker.handle(_step_command(env, 2, encoder))

@@ -184,8 +184,11 @@ class Worker:
         self.malformed_beats = 0
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
-        #: Every reply goes through it: the encoder's layout ids and the PUSH are its lock's.
-        self._replies: ReplyQueue[_Result | list[Any]] = ReplyQueue(self._send_now)
+        #: Every reply goes through it: the PUSH is its lock's.
+        self._replies: ReplyQueue[Row | list[Any]] = ReplyQueue(self._send_now)
+        #: The encoder's: a result is encoded (its bytes taken before its env steps
+        #: again) and queued under it, so replies queue in the order they announce layouts.
+        self._encoding = threading.Lock()
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
         self._outbox: list[Row | list[Any]] | None = None
         #: How long each hosted env's last command run inline took (s).
@@ -353,7 +356,7 @@ class Worker:
     def _rejoin(self) -> None:
         """The pool went away or was replaced: forget its layouts, register again."""
         log.warning("the pool at %s went away or restarted; registering again", self.router)
-        with self._replies.holding():
+        with self._encoding:
             self.encoder.forget()
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
         self.register()
@@ -576,18 +579,19 @@ class Worker:
         except Exception as err:
             self._send(self._error_reply(header, err))
             return
-        self._send(_Result(header, out))
+        with self._encoding:
+            self._replies.append(self._encoded(header, out))
+        self._replies.drain()
 
-    def _send(self, reply: _Result | list[Any]) -> None:
+    def _send(self, reply: list[Any]) -> None:
         """Send a reply now, or leave it to the thread sending now: it goes with that one's."""
         self._replies.put(reply)
 
-    def _send_now(self, replies: list[_Result | list[Any]]) -> None:
-        """With the reply lock: encode results, then send them (or keep them: a batch inline).
+    def _send_now(self, ready: list[Row | list[Any]]) -> None:
+        """With the reply lock: send replies (or keep them: a batch run inline).
 
-        Several replies (queued while another thread sent) go as few messages as can be.
+        Several (queued while another thread sent) go as few messages as can be.
         """
-        ready = [self._encoded(r) if isinstance(r, _Result) else r for r in replies]
         if self._outbox is not None:  # a batch runs inline: its replies go when it ends
             self._outbox.extend(ready)  # where results of one layout may be joined
         elif len(ready) > 1:
@@ -597,11 +601,10 @@ class Worker:
             reply = ready[0]
             self._push(reply.message(self.token) if isinstance(reply, Row) else reply)
 
-    def _encoded(self, result: _Result) -> Row | list[Any]:
+    def _encoded(self, header: Header, out: list[Any]) -> Row | list[Any]:
         """A result as its row; an output that cannot cross the wire, as the env's error."""
-        header = result.header
         try:
-            parts = [self.encoder.encode(part) for part in result.parts]
+            parts = [self.encoder.encode(part) for part in out]
         except Exception as err:
             return self._error_reply(header, err)
         return Row(Command.RESULT, header.env, header.seq, parts)
@@ -883,14 +886,6 @@ def reachable(endpoint: str, router: str) -> str:
     if host in ("0.0.0.0", "*", "::", "[::]"):
         host = router[6:].rsplit(":", 1)[0]
     return f"tcp://{host}:{port}"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Result:
-    """An env's output for a command, not yet encoded (encoding needs the reply lock)."""
-
-    header: Header
-    parts: list[Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

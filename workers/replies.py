@@ -1,9 +1,10 @@
 """Replies from several threads onto one socket, joined when they meet.
 
-A worker's env threads (and its main thread) all reply on one PUSH socket
-through one encoder, one thread at a time. A thread that finds the socket
-taken used to wait for it, then send its reply alone. Here it leaves its
-reply in the queue and goes back to its env: the thread that has the socket
+A worker's env threads (and its main thread) all reply on one PUSH socket,
+one thread at a time. A thread that finds the socket taken used to wait for
+it, then send its reply alone. Here it leaves its reply (encoded already:
+the entries are ready to go) in the queue and goes back to its env: the
+thread that has the socket
 sends what was queued meanwhile too, as one message where the replies join
 (measured in docs/PERFORMANCE.md: with 16 cheap envs in threads, about 40% of
 replies found the socket taken).
@@ -41,8 +42,17 @@ class ReplyQueue(Generic[Entry]):
 
     def put(self, entry: Entry) -> None:
         """Send ``entry`` now, or leave it to the thread that holds the lock."""
+        self.append(entry)
+        self.drain()
+
+    def append(self, entry: Entry) -> None:
+        """Queue ``entry`` without sending anything; :meth:`drain` must follow.
+
+        For a caller that must queue in an order it holds a lock of its own
+        for (a worker queues each reply as it encodes it, so that a layout's
+        announcement never travels after a message that uses it).
+        """
         self._queued.append(entry)  # before trying the lock: its holder looks after releasing
-        self._drain()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -51,9 +61,10 @@ class ReplyQueue(Generic[Entry]):
             with self._lock:
                 yield
         finally:  # even if the holder failed: what others queued must not wait for a next put
-            self._drain()
+            self.drain()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Send what is queued, unless another thread holds the lock (it sends it after)."""
         while self._queued:
             if not self._lock.acquire(blocking=False):
                 return  # its holder sends ours once it lets go (holding() and here)
