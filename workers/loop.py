@@ -34,9 +34,10 @@ itself: each TCP socket's :class:`_DropWatch` does, so neither an oversized
 command nor a peer posing as the pool cuts a worker off for good.
 
 Threads and sockets: the main thread owns the DEALER, the heartbeat thread
-its own DEALER (and SUB), and the PUSH is shared under the reply queue's lock. Closing
-stops the threads first (each closes its own sockets), then closes the main
-thread's, then ends the context: never ``Context.destroy()``, which closes
+its own DEALER (and SUB), and the PUSH is shared under the reply queue's
+lock (the encoder under a lock of its own). Closing stops the threads
+first (each closes its own sockets), then closes the main thread's, then
+ends the context: never ``Context.destroy()``, which closes
 every socket from one thread while the others may still use theirs.
 """
 
@@ -597,7 +598,7 @@ class Worker:
         elif len(ready) > 1:
             for frames in self._joined(ready):
                 self._push(frames)
-        else:
+        else:  # a lone reply, as one-env workers' always are: nothing to join or batch
             reply = ready[0]
             self._push(reply.message(self.token) if isinstance(reply, Row) else reply)
 

@@ -4,10 +4,9 @@ A worker's env threads (and its main thread) all reply on one PUSH socket,
 one thread at a time. A thread that finds the socket taken used to wait for
 it, then send its reply alone. Here it leaves its reply (encoded already:
 the entries are ready to go) in the queue and goes back to its env: the
-thread that has the socket
-sends what was queued meanwhile too, as one message where the replies join
-(measured in docs/PERFORMANCE.md: with 16 cheap envs in threads, about 40% of
-replies found the socket taken).
+thread that has the socket sends what was queued meanwhile too, as one
+message where the replies join (measured in docs/PERFORMANCE.md: with 16
+cheap envs in threads, about 40% of replies found the socket taken).
 
 Nothing waits for company: a reply that finds the socket free goes at once,
 alone, as before. Every thread that held the socket looks at the queue again
@@ -29,8 +28,8 @@ class ReplyQueue(Generic[Entry]):
     """Entries put from any thread, handed to ``send`` in order, under one lock.
 
     ``send`` gets every entry queued when it is called (at least one), in
-    the order they were put, and runs with the lock held: the socket and the
-    encoder it uses are the lock's. An exception from ``send`` reaches the
+    the order they were put, and runs with the lock held: the socket it
+    uses is the lock's. An exception from ``send`` reaches the
     thread that called it (those entries are lost, as a failed send loses
     its reply).
     """

@@ -3,12 +3,13 @@
 A worker reads commands in its main thread, in order; with env threads, each
 env's commands go to that env's own thread, in order, so an env that waits (a
 simulator sleeping, or releasing the GIL in C) does not hold up the others, as
-in torchrl's pools. The reply goes from the env's thread through the worker's
-reply queue (:mod:`workers.replies`): the encoder's layout ids and the PUSH
-socket are shared, one thread at a time, and a reply that finds them taken is
-sent by the thread holding them, so its own thread goes on to its next
-command. For one env per worker there is nothing to overlap, and the thread
-hop would only cost: the worker then runs commands inline.
+in torchrl's pools. The env's thread encodes the reply (the encoder's layout
+ids are shared under a short lock of their own) and hands it to the worker's
+reply queue (:mod:`workers.replies`): the PUSH socket is shared, one thread
+at a time, and a reply that finds it taken is sent by the thread holding it,
+so its own thread goes on to its next command. For one env per worker there
+is nothing to overlap, and the thread hop would only cost: the worker then
+runs commands inline.
 
 A job answers its command itself, env exceptions included. Anything that
 escapes it (a ``SystemExit`` or ``KeyboardInterrupt`` raised by env code, or a

@@ -140,10 +140,11 @@ Rows joined. Among a worker's kept replies (a batch run inline, or replies
 queued while another env thread sent), the results of envs whose parts have
 the same layouts (already announced, tensors only, each of at most
 :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`) travel as one ``RESULTS``
-message, alone or inside a BATCH (:func:`joined_messages`, :func:`results_rows`): its header
-carries the first env, seq 0, the worker's token, the shared layout ids and
-the body ``{"envs": [env, ...], "seqs": [seq, ...]}``; frame ``i`` after it is
-every env's frame ``i``, back to back in the order of ``envs``, so one frame
+message, alone or inside a BATCH (:func:`joined_messages`,
+:func:`results_rows`): its header carries the first env, seq 0, the
+worker's token, the shared layout ids and the body ``{"envs": [env, ...],
+"seqs": [seq, ...]}``; frame ``i`` after it is every env's frame ``i``, back
+to back in the order of ``envs``, so one frame
 of ``rows`` times the layout's size. It is taken as one RESULT per env, in
 that order, each matched to its own awaited seq and held to its own env's
 specs. The pool refuses it whole unless every env is the sender's, none comes
@@ -345,8 +346,8 @@ def batch_messages(
     :data:`~zmqpool.limits.MAX_BATCH_BYTES`,
     :data:`~zmqpool.limits.MAX_BATCH_FRAMES` frames and ``max_messages``
     messages (what the receiver takes in one batch; None: no count); a larger
-    message goes as it is, in its place. The order is kept: a message may use a layout an earlier
-    one announced. ``env`` and ``token`` go in each batch's header (a result
+    message goes as it is, in its place. The order is kept: a message may use
+    a layout an earlier one announced. ``env`` and ``token`` go in each batch's header (a result
     batch's ``env`` is one its worker hosts, so the pool finds the worker's link by it).
     """
     out: list[list[Any]] = []
@@ -401,9 +402,8 @@ class Row:
     The pool keeps these while it sends a call's commands to a batching
     worker, and such a worker keeps its results while a batch runs inline (or
     while another env thread sends), so that :func:`joined_messages` can join
-    the rows of envs whose parts share
-    their layouts. ``command`` is the message a row alone is: a command
-    (``STEP``, ...) or ``RESULT``.
+    the rows of envs whose parts share their layouts. ``command`` is the
+    message a row alone is: a command (``STEP``, ...) or ``RESULT``.
     """
 
     command: Command
