@@ -57,6 +57,13 @@ building the pool and its first reset are not counted. Actions carry only the
 ``action`` key (``mdp``: the result's ``step_mdp`` with its action); results are
 not copied further.
 
+Before the rows, the run times one :class:`~zmqpool.testing.CountingEnv` step
+in its own process, back to back and after sleeping 1 ms and 50 ms, and
+prints the ratios (the *idle penalty*: what running in short bursts between
+sleeps costs this machine, as every pool's processes do), then, for each
+scale scenario, how many CPUs the envs' own steps need at the ideal rate at
+the cold cost; the JSON's ``meta.idle_penalty`` holds the figures.
+
 ``--repeat N`` runs the whole plan N times, interleaved: round 1 measures every
 (scenario, row) once in plan order, then round 2 again, and so on, so a row and
 its reference alternate in time and the machine's drift hits both. Each row of
@@ -1467,8 +1474,14 @@ def write_plot(path: Path, results: list[RowResult]) -> None:
     plt.close(fig)
 
 
-def meta(args: argparse.Namespace, cfg: Config, wall_s: float) -> dict[str, Any]:
+def meta(
+    args: argparse.Namespace, cfg: Config, wall_s: float, penalty: IdlePenalty
+) -> dict[str, Any]:
     return {
+        "idle_penalty": {
+            "hot_us": penalty.hot_us,
+            "after_idle_us": {str(gap): us for gap, us in penalty.after_idle_us.items()},
+        },
         "argv": sys.argv[1:],
         "config": asdict(cfg),
         "quick": args.quick,
@@ -1505,6 +1518,86 @@ def measured_code() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"zmqpool_path": str(where), "zmqpool_commit": commit}
+
+
+# --------------------------------------------------------------------------- the idle penalty
+
+
+#: The probe's idle gaps (s): a cheap row's wait for a reply, and a scale row's mean step.
+IDLE_GAPS_S = (0.001, sum(SCALE_SLEEP_S) / 2)
+#: Steps timed per gap: (back to back, after each gap); ``--quick`` takes a fifth.
+IDLE_PROBE_STEPS = (500, 60)
+
+
+@dataclass(frozen=True)
+class IdlePenalty:
+    """What one env step costs this machine's CPU, run hot and after its thread slept.
+
+    Every pool runs its Python (and the env's) in short bursts between sleeps:
+    a worker waits for its next command, a trainer for its next reply. On a
+    machine whose caches are cold again after a short idle (a VM's vCPU, a
+    core sharing its caches with other tenants) each burst costs a multiple of
+    what a tight loop measures; this puts a figure on that multiple.
+    """
+
+    #: median thread CPU (us) of a :class:`CountingEnv` step, steps back to back.
+    hot_us: float
+    #: the same, each step after its thread slept ``gap_s``: ``{gap_s: us}``.
+    after_idle_us: dict[float, float]
+
+    def factor(self, gap_s: float) -> float:
+        return self.after_idle_us[gap_s] / self.hot_us
+
+
+def step_cpu_us(env: EnvBase, td: TensorDictBase, gap_s: float, count: int) -> float:
+    """Median thread CPU (us) of ``env.step(td)``, each step after sleeping ``gap_s``."""
+    times = []
+    for _ in range(count):
+        if gap_s:
+            time.sleep(gap_s)
+        start = time.thread_time_ns()
+        env.step(td.clone())
+        times.append(time.thread_time_ns() - start)
+    return statistics.median(times) / 1e3
+
+
+def idle_penalty(quick: bool) -> IdlePenalty:
+    """Time one cheap env's step in this process, hot and after each of :data:`IDLE_GAPS_S`."""
+    hot_steps, idle_steps = (n // 5 if quick else n for n in IDLE_PROBE_STEPS)
+    env = CountingEnv(env_id=0, obs_shape=(4,))
+    try:
+        td = env.reset()
+        td.set("action", torch.zeros(env.action_spec.shape))
+        hot = step_cpu_us(env, td, 0.0, hot_steps)
+        after = {gap: step_cpu_us(env, td, gap, idle_steps) for gap in IDLE_GAPS_S}
+    finally:
+        env.close()
+    return IdlePenalty(hot, after)
+
+
+def idle_penalty_text(penalty: IdlePenalty) -> str:
+    after = ", ".join(
+        f"{us:,.0f} us after {gap * 1e3:g} ms asleep ({penalty.factor(gap):.1f}x)"
+        for gap, us in penalty.after_idle_us.items()
+    )
+    hot = f"{penalty.hot_us:,.0f} us of CPU hot"
+    return f"idle penalty: a CountingEnv step here takes {hot}, {after}"
+
+
+def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[str]:
+    """Per scale scenario run: the CPUs its envs' own steps need at the ideal rate, cold."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cold_us = penalty.after_idle_us[IDLE_GAPS_S[-1]]
+    lines = []
+    for r in results:
+        if r.row != REF or not r.scenario.startswith("scale") or not r.ideal_steps_per_s:
+            continue
+        need = r.ideal_steps_per_s * cold_us / 1e6
+        lines.append(
+            f"{r.scenario}: at the ideal {r.ideal_steps_per_s:,.0f} steps/s the envs' own steps, "
+            f"cold ({cold_us:,.0f} us each), need {need:.2f} of this machine's {cpus} CPUs"
+        )
+    return lines
 
 
 # --------------------------------------------------------------------------- zero-copy threshold
@@ -1793,6 +1886,7 @@ def main(argv: list[str] | None = None) -> int:
     table = build_scenarios(args.quick)
     scenarios = select(table, args.scenarios, args.scale, args.quick)
     start = time.perf_counter()
+    penalty = idle_penalty(args.quick)  # first, on a machine no row has loaded yet
     cells = run_all(scenarios, set(args.rows or ALL_ROWS), cfg, args.repeat)
     # Ratios and targets judge the medians, through the same code as a single run.
     results = [combine_runs(runs) for runs in cells]
@@ -1805,12 +1899,13 @@ def main(argv: list[str] | None = None) -> int:
     all_runs = [run for runs in cells for run in runs]
     for reason in dict.fromkeys(run.skipped for run in all_runs if run.skipped):
         print(f"skipped: {reason}")
+    print("\n" + "\n".join([idle_penalty_text(penalty), *scale_budget_text(results, penalty)]))
     rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
     print(
         f"\n{len(results)} rows{rounds} in {wall_s:.1f} s{per_worker}; targets are informational."
     )
     if args.json:
-        write_json(args.json, results, verdicts, meta(args, cfg, wall_s), cells)
+        write_json(args.json, results, verdicts, meta(args, cfg, wall_s, penalty), cells)
     if args.plot:
         write_plot(args.plot, results)
     # A run that failed fails the bench, even if the other rounds of its row measured.

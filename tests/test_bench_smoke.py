@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +326,19 @@ def test_the_results_say_which_zmqpool_they_measured(quick_run):
     meta = json.loads((out / "r.json").read_text())["meta"]
     assert Path(meta["zmqpool_path"]) == REPO / "zmqpool"  # this checkout's, not an install's
     assert "zmqpool_commit" in meta
+
+
+def test_the_idle_penalty_is_measured_and_each_scale_row_gets_its_cpu_budget(quick_run):
+    proc, out = quick_run
+    penalty = json.loads((out / "r.json").read_text())["meta"]["idle_penalty"]
+    assert penalty["hot_us"] > 0
+    assert set(penalty["after_idle_us"]) == {"0.001", "0.05"}
+    assert all(us > 0 for us in penalty["after_idle_us"].values())
+    assert "idle penalty: a CountingEnv step here takes" in proc.stdout
+    # --quick --scale runs scale16 only: one budget line, from the 50 ms figure.
+    budget = [line for line in proc.stdout.splitlines() if line.startswith("scale")]
+    cold = penalty["after_idle_us"]["0.05"]
+    assert budget == [
+        f"scale16: at the ideal 320 steps/s the envs' own steps, cold ({cold:,.0f} us each), "
+        f"need {320 * cold / 1e6:.2f} of this machine's {len(os.sched_getaffinity(0))} CPUs"
+    ]
