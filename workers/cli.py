@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from workers.hosting import EnvHost, EnvRecipe, recipe_from_name
+from workers.hosting import WORKER_THREADS_VAR, EnvHost, EnvRecipe, recipe_from_name
 from workers.loop import REGISTER_TIMEOUT_S, Worker
 from workers.supervise import REFUSED, Supervisor, die_with_parent
 from zmqpool.errors import EnvMakerError, RegistrationError
@@ -74,8 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to wait for the pool (default: {REGISTER_TIMEOUT_S:g} for local workers, "
         "forever for --env)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=_threads,
+        help="torch intra-op threads in this worker (0: torch's default, one per core; "
+        f"default: ${WORKER_THREADS_VAR}, else 1)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--torch-threads must be >= 0, got {value}")
+    return value
 
 
 def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
@@ -194,7 +207,7 @@ def serve(
 
     # The envs first: their specs bound what the worker's sockets accept, set before they connect.
     try:
-        host = EnvHost.build(indices, recipes)
+        host = EnvHost.build(indices, recipes, args.torch_threads)
     except EnvMakerError as err:
         failed = connect(EnvHost({}))
         try:

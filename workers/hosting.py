@@ -310,9 +310,14 @@ class EnvHost:
         self.envs = dict(envs)
 
     @classmethod
-    def build(cls, indices: Sequence[int], recipes: Sequence[EnvRecipe]) -> EnvHost:
-        """Build every env; an env maker that raises becomes an :class:`EnvMakerError`."""
-        limit_torch_threads()
+    def build(
+        cls, indices: Sequence[int], recipes: Sequence[EnvRecipe], torch_threads: int | None = None
+    ) -> EnvHost:
+        """Build every env; an env maker that raises becomes an :class:`EnvMakerError`.
+
+        ``torch_threads``: see :func:`limit_torch_threads` (set before any env is built).
+        """
+        limit_torch_threads(torch_threads)
         envs = {}
         for index, recipe in zip(indices, recipes, strict=True):
             try:
@@ -343,14 +348,17 @@ class EnvHost:
 WORKER_THREADS_VAR = "ZMQPOOL_WORKER_THREADS"
 
 
-def limit_torch_threads() -> None:
+def limit_torch_threads(threads: int | None = None) -> None:
     """Give torch one intra-op thread in this worker, as ParallelEnv does (``num_sub_threads``).
 
     Every worker otherwise starts one spinning OpenMP thread per core: with a
     pool of workers on a few cores, an env making a 1 MiB tensor spent more
     CPU in those threads than in its step (measured in docs/PERFORMANCE.md).
-    ``ZMQPOOL_WORKER_THREADS`` overrides the count (``0``: leave torch's default).
+    ``threads`` (a pool's ``PoolConfig.worker_torch_threads``, a worker's
+    ``--torch-threads``) sets the count, else ``ZMQPOOL_WORKER_THREADS`` does,
+    else 1; ``0`` leaves torch's default.
     """
-    threads = int(os.environ.get(WORKER_THREADS_VAR, "1"))
+    if threads is None:
+        threads = int(os.environ.get(WORKER_THREADS_VAR, "1"))
     if threads > 0:
         torch.set_num_threads(threads)

@@ -17,6 +17,9 @@ _BOOL_FIELDS = (
     "io_thread_batch_sched",
 )
 
+#: Fields whose None means "not set" (documented at each).
+_OPTIONAL_FIELDS = ("step_timeout_s", "max_slots_per_key", "worker_torch_threads")
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
@@ -87,6 +90,10 @@ class PoolConfig:
     #: waits its turn and then writes the whole batch, with fewer context
     #: switches (measured in docs/PERFORMANCE.md). False: the OS's default.
     io_thread_batch_sched: bool = True
+    #: torch intra-op threads in each local worker (``torch.set_num_threads``):
+    #: None leaves it to the worker (``ZMQPOOL_WORKER_THREADS``, else 1, as
+    #: ParallelEnv's ``num_sub_threads``); 0 keeps torch's default (one per core).
+    worker_torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -95,12 +102,15 @@ class PoolConfig:
                 if not isinstance(value, bool):
                     raise ValueError(f"PoolConfig.{field.name} must be a bool, got {value!r}")
                 continue
-            if value is None and field.name in ("step_timeout_s", "max_slots_per_key"):
+            if value is None and field.name in _OPTIONAL_FIELDS:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"PoolConfig.{field.name} must be a number >= 0, got {value!r}")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 1:
             raise ValueError("PoolConfig heartbeats need an interval > 0 and a liveness >= 1")
+        threads = self.worker_torch_threads
+        if threads is not None and not isinstance(threads, int):
+            raise ValueError(f"PoolConfig.worker_torch_threads must be an int, got {threads!r}")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError("PoolConfig.step_timeout_s must be > 0 or None")
 

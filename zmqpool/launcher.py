@@ -265,8 +265,11 @@ def worker_argv(
     indices: Sequence[int],
     heartbeat_s: float,
     env_threads: bool = False,
+    torch_threads: int | None = None,
 ) -> list[str]:
     threads = ["--env-threads"] if env_threads and len(indices) > 1 else []
+    if torch_threads is not None:
+        threads += ["--torch-threads", str(torch_threads)]
     return [
         *module_argv("workers"),
         "--connect",

@@ -254,6 +254,7 @@ class Runtime:
             indices,
             self.config.heartbeat_interval_s,
             self.config.env_threads,
+            self.config.worker_torch_threads,
         )
         masks = self.plan.worker_affinity
         affinity = None if masks is None else masks[record.local_index]
