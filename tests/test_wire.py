@@ -122,6 +122,21 @@ def test_layouts_are_announced_once_then_referenced():
         decoder.decode(Header.decode(frames[0]), frames[1:])
 
 
+def test_a_layout_id_announced_again_decodes_as_the_new_layout():
+    # A restarted worker's new encoder numbers its layouts from 0 again, maybe for
+    # other keys: messages after the new announcement decode by it, not by what
+    # the decoder worked out for that id before.
+    decoder = Decoder()
+    for td in (TensorDict({"obs": torch.randn(4)}, []), TensorDict({"x": torch.ones(2, 3)}, [])):
+        encoder = Encoder()
+        for _ in range(2):  # announced, then referred to by id
+            frames = as_received(encode_message(Header(Command.RESULT), [encoder.encode(td)]))
+            part = decoder.decode(Header.decode(frames[0]), frames[1:])[0]
+            got = part.to_tensordict()
+            assert set(got.keys()) == set(td.keys())
+            assert all(torch.equal(got[k], td[k]) for k in td)
+
+
 def fields(**override):
     base = {
         "version": PROTOCOL_VERSION,

@@ -447,6 +447,10 @@ class Decoder:
         self.max_layouts = max_layouts
         self.max_frame_bytes = max_frame_bytes
         self._layouts: dict[int, Layout] = {}
+        # A header's layout ids -> what decoding its message needs of them, worked out
+        # once: nearly every message repeats the ids of the one before. Cleared
+        # whenever a layout is announced (an id may be announced again, as another).
+        self._plans: dict[tuple[int, ...], _Plan] = {}
 
     def learn(self, body: Mapping[str, Any] | None) -> None:
         """Take in the layouts a message announces (before decoding its parts)."""
@@ -455,6 +459,7 @@ class Decoder:
             return
         if not isinstance(announced, dict):
             raise ProtocolError("announced layouts must be a map id -> layout")
+        self._plans.clear()
         for layout_id, data in announced.items():
             if not is_int(layout_id) or not 0 <= layout_id < MAX_LAYOUT_ID:
                 raise ProtocolError(f"bad layout id {layout_id!r}")
@@ -485,12 +490,15 @@ class Decoder:
         body = header.body
         if body is not None:  # most messages have none: nothing announced, no non-tensors
             self.learn(body)
-        layouts = [self._layout(i) for i in header.layouts]
-        sizes = [size for layout in layouts for size in layout.frame_sizes]
+        plan = self._plan(header.layouts)
+        layouts, sizes = plan.layouts, plan.sizes
         if len(frames) != len(sizes):
             expected = len(sizes)
             raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
-        nontensor = _nontensor_lists(body, layouts)
+        if body is None and plan.tensors_only:  # the rest would check what cannot be wrong
+            nontensor: list[list[Any]] = [[] for _ in layouts]
+        else:
+            nontensor = _nontensor_lists(body, layouts)
         return _by_part(layouts, _checked_buffers(sizes, frames), nontensor)
 
     def decode_rows(
@@ -502,10 +510,10 @@ class Decoder:
         layouts known and free of non-tensors (a RESULTS announces nothing and
         carries tensors only): checked before any view is made.
         """
-        layouts = [self._layout(i) for i in header.layouts]
-        if any(layout.nontensor_keys for layout in layouts):
+        plan = self._plan(header.layouts)
+        if not plan.tensors_only:
             raise ProtocolError("rows joined carry tensors only")
-        sizes = [size for layout in layouts for size in layout.frame_sizes]
+        layouts, sizes = plan.layouts, plan.sizes
         if len(frames) != len(sizes):
             raise ProtocolError(f"message has {len(frames)} frames, layouts say {len(sizes)}")
         joined = [_bytes_view(frame) for frame in frames]
@@ -520,11 +528,35 @@ class Decoder:
             out.append(_by_part(layouts, buffers, [[] for _ in layouts]))
         return out
 
+    def _plan(self, layout_ids: tuple[int, ...]) -> _Plan:
+        plan = self._plans.get(layout_ids)
+        if plan is None:
+            layouts = [self._layout(i) for i in layout_ids]  # raises for an unknown id
+            plan = _Plan(
+                layouts,
+                [size for layout in layouts for size in layout.frame_sizes],
+                not any(layout.nontensor_keys for layout in layouts),
+            )
+            if len(self._plans) >= self.max_layouts:  # ids are few; a peer cycling them is not
+                self._plans.clear()
+            self._plans[layout_ids] = plan
+        return plan
+
     def _layout(self, layout_id: int) -> Layout:
         layout = self._layouts.get(layout_id)
         if layout is None:
             raise ProtocolError(f"unknown layout id {layout_id}")
         return layout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """What decoding a message of some layout ids needs: its layouts, each frame's size,
+    and whether none of them has non-tensor values. Read only: shared by every message."""
+
+    layouts: list[Layout]
+    sizes: list[int]
+    tensors_only: bool
 
 
 #: Equal layouts learned on different connections, as one object: parts from
@@ -602,6 +634,8 @@ def _by_part(
     layouts: list[Layout], buffers: list[memoryview], nontensor: list[list[Any]]
 ) -> list[DecodedPart]:
     """The parts of a message: each layout takes its frames' buffers, in order."""
+    if len(layouts) == 1:  # most messages (a step's): every buffer is the one part's
+        return [DecodedPart(layouts[0], buffers, nontensor[0])]
     parts, start = [], 0
     for layout, values in zip(layouts, nontensor, strict=True):
         end = start + layout.num_frames

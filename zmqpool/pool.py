@@ -320,8 +320,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         payloads = self._assembler.payloads(tensordict)
         self._runtime.send_all(env_idx, command, payloads, per_env)
         if kind != Kind.RESET:
-            for env in env_idx:
-                self._batch_stats.record_action(env)
+            self._batch_stats.record_actions(env_idx)
         if not per_env:
             self._busy.update(env_idx)
 

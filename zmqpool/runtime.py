@@ -37,7 +37,7 @@ import zmq
 from zmqpool import forkservers
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
-from zmqpool.codec import layout_of
+from zmqpool.codec import EncodedPart, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import (
     Endpoints,
@@ -384,7 +384,7 @@ class Runtime:
             command, payload, pending.synth = Command.RESET, None, True
         # Encoded only if sent: encoding announces its layout on this connection.
         parts = [] if payload is None else [link.encoder.encode(payload)]
-        largest = max((memoryview(f).nbytes for p in parts for f in p.frames), default=0)
+        largest = _largest_frame(parts)
         if largest > link.decoder.max_frame_bytes:
             # Its worker's socket takes frames as large as its specs imply (with headroom),
             # and would drop the connection for this one: answer with an error instead.
@@ -565,3 +565,14 @@ class Runtime:
             for record in self.roster.local
             if record.process is not None and record.local_index is not None
         }
+
+
+def _largest_frame(parts: list[EncodedPart]) -> int:
+    """The size of the largest frame of ``parts`` (0 for none); loops: it runs every env-step."""
+    largest = 0
+    for part in parts:
+        for frame in part.frames:
+            size = memoryview(frame).nbytes
+            if size > largest:
+                largest = size
+    return largest

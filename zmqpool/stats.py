@@ -125,14 +125,16 @@ class BatchStats:
             self.ready_dwell_s += now - arrived
             self.ready_count += 1
 
-    def record_action(self, env: int) -> None:
-        """An action was sent to ``env``: the end of the wait that its last result began."""
-        leased_at = self.leased_at.pop(env, None)
-        if leased_at is None:
+    def record_actions(self, envs: list[int]) -> None:
+        """Actions were sent to ``envs`` (one call's): each ends the wait its last result began."""
+        if not self.leased_at:
             return
         now = self._clock()
-        self.action_dwell_s += now - leased_at
-        self.action_count += 1
+        for env in envs:
+            leased_at = self.leased_at.pop(env, None)
+            if leased_at is not None:
+                self.action_dwell_s += now - leased_at
+                self.action_count += 1
         if not self.leased_at and self.busy_started_s is not None:
             self.busy_s += now - self.busy_started_s
             self.busy_started_s = None
