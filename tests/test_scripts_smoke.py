@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_restart_bench_runs_and_measures_a_restart(tmp_path):
     out = tmp_path / "restart.json"
@@ -14,3 +16,27 @@ def test_restart_bench_runs_and_measures_a_restart(tmp_path):
     row = json.loads(out.read_text())["fork server"]
     assert 0 < row["restart_latency_median_s"] < 60
     assert row["healthy_steps_per_s_during_restart"] > 0
+
+
+def test_count_instructions_runs_its_workload_without_valgrind():
+    argv = [sys.executable, "scripts/count_instructions.py", "--dry-run", "--num-envs", "2"]
+    argv += ["--envs-per-worker", "2", "--rounds", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "done: 3 rounds of 2 env-steps" in done.stdout
+
+
+def test_count_instructions_reads_callgrinds_count_and_refuses_a_log_without_one():
+    sys.path.insert(0, "scripts")
+    try:
+        import count_instructions
+    finally:
+        sys.path.remove("scripts")
+    log = "==7== Events    : Ir\n==7== Collected : 305567029\n==7== I   refs:      305,567,029\n"
+    assert count_instructions.parse_collected(log) == 305567029
+    counted = count_instructions.Count(
+        "x", num_envs=64, envs_per_worker=16, rounds=20, instructions=305567029
+    )
+    assert round(counted.per_env_step) == 238724
+    with pytest.raises(RuntimeError, match="no count"):
+        count_instructions.parse_collected("==7== valgrind: fatal error\n")

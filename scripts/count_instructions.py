@@ -1,0 +1,234 @@
+"""The trainer's instructions per env-step, counted by valgrind: a figure that noise cannot move.
+
+Timings on a shared 2-core machine move by 10-20% from one run to the next,
+so a change worth 5% of the trainer's CPU cannot be told from noise by
+``scripts/bench.py``. Callgrind counts the instructions a process executes
+(user space, every thread: the trainer's Python, torch, numpy, msgpack and
+libzmq, its I/O thread included), the same from one run of the same code to
+the next within about 1%.
+
+The workload is fixed whatever the machine's speed: rounds of one
+``async_step_send`` to every env (a fresh action batch, as a policy makes)
+and one ``async_step_recv(min_get=num_envs)``, whose ``env_index`` is read
+back as a trainer reads it. The workers run outside valgrind at full speed,
+and the trainer under it is some 50 times slower, so every recv finds every
+reply in. Imports, set-up and warm-up rounds run with callgrind's
+instrumentation off (``--instr-atstart=no``), and ``callgrind_control -i on``
+switches it on for the measured rounds only.
+
+What it does not count: kernel time (system calls, context switches), the
+workers, and the cost of running cold, which on this machine makes the same
+instructions take 1.5-5x as long after a sleep (see docs/PERFORMANCE.md). It
+compares code, it does not predict throughput.
+
+Needs valgrind (Debian's ``valgrind`` package: ``valgrind``, ``callgrind_control``).
+Debian 12's valgrind (3.19) does not know ``pidfd_open``; under it the
+measured process replaces ``os.pidfd_open`` with a pipe that never becomes
+readable (worker deaths go unseen, which a count does not need) and leaves
+with ``os._exit`` instead of closing the pool.
+
+Example:
+    python scripts/count_instructions.py                      # 64 envs, 16 per worker
+    python scripts/count_instructions.py --num-envs 4 --envs-per-worker 1
+    git worktree add /tmp/before HEAD~1
+    python scripts/count_instructions.py --baseline /tmp/before   # both, and the ratio
+    python scripts/count_instructions.py --dry-run           # the workload alone, no valgrind
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: How long the measured process may take to import and warm up under valgrind.
+READY_TIMEOUT_S = 900.0
+#: How long the measured rounds may take under valgrind once switched on.
+ROUNDS_TIMEOUT_S = 1800.0
+WARMUP_ROUNDS = 10
+_COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+
+
+@dataclass
+class Count:
+    """One checkout's count: instructions over the measured rounds, and per env-step."""
+
+    source: str
+    num_envs: int
+    envs_per_worker: int
+    rounds: int
+    instructions: int
+
+    @property
+    def per_env_step(self) -> float:
+        return self.instructions / (self.num_envs * self.rounds)
+
+
+def parse_collected(log: str) -> int:
+    """The instruction count callgrind reports at exit (``==PID== Collected : N``)."""
+    found = _COLLECTED.findall(log)
+    if not found:
+        raise RuntimeError(f"callgrind reported no count; its log ends:\n{log[-2000:]}")
+    return int(found[-1])
+
+
+# ------------------------------------------------------------------ the measured process
+
+
+def _pidfd_missing() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError as err:
+        return err.errno == errno.ENOSYS
+    return False
+
+
+def run_workload(num_envs: int, per_worker: int, rounds: int, handshake: Path | None) -> None:
+    """Warm up, then (after the parent switched the count on) run ``rounds`` measured rounds.
+
+    ``handshake``: a folder where this process says it is ready and waits to be told
+    to go; None runs the rounds at once (``--dry-run``).
+    """
+    under_valgrind = handshake is not None and _pidfd_missing()
+    if under_valgrind:
+        os.pidfd_open = lambda pid, flags=0: os.pipe()[0]  # type: ignore[assignment]
+    import torch
+    from tensordict import TensorDict
+
+    from zmqpool import ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+
+    kwargs = [{"env_id": i} for i in range(num_envs)]
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=kwargs, envs_per_worker=per_worker)
+    pool.reset()
+    envs = list(range(num_envs))
+
+    def one_round() -> None:
+        pool.async_step_send(TensorDict({"action": torch.zeros(num_envs, 1)}, [num_envs]), envs)
+        result = pool.async_step_recv(min_get=num_envs)
+        if sorted(result.get("env_index").tolist()) != envs:
+            raise RuntimeError("a round did not return every env")
+
+    for _ in range(WARMUP_ROUNDS):
+        one_round()
+    if handshake is not None:
+        (handshake / "ready").write_text(str(os.getpid()))
+        _wait_for(handshake / "go", READY_TIMEOUT_S)
+    for _ in range(rounds):
+        one_round()
+    print(f"done: {rounds} rounds of {num_envs} env-steps", flush=True)
+    if under_valgrind:
+        os._exit(0)  # the pool's close() needs the pidfds this process does not have
+    pool.close()
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ the counting parent
+
+
+def count(source: Path, num_envs: int, per_worker: int, rounds: int) -> Count:
+    """Run the workload on checkout ``source``'s zmqpool under callgrind; count the measured
+    rounds. Its workers are ``source``'s too (they are launched from beside its zmqpool)."""
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not installed (Debian: apt-get install valgrind)")
+    with tempfile.TemporaryDirectory(prefix="zmqpool-count-") as tmp:
+        handshake, log = Path(tmp), Path(tmp) / "callgrind.log"
+        argv = [
+            "valgrind",
+            "--tool=callgrind",
+            "--trace-children=no",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={tmp}/callgrind.out",
+            f"--log-file={log}",
+            sys.executable,
+            __file__,  # this script, with ``source``'s zmqpool first on the path
+            "--child",
+            str(handshake),
+            "--num-envs",
+            str(num_envs),
+            "--envs-per-worker",
+            str(per_worker),
+            "--rounds",
+            str(rounds),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
+        with subprocess.Popen(argv, env=env, cwd=tmp) as child:
+            try:
+                _switch_on_when_ready(child, handshake)
+                child.wait(timeout=ROUNDS_TIMEOUT_S)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait(timeout=30)
+            if child.returncode != 0:
+                raise RuntimeError(f"the measured process exited with {child.returncode}")
+        return Count(str(source), num_envs, per_worker, rounds, parse_collected(log.read_text()))
+
+
+def _switch_on_when_ready(child: subprocess.Popen, handshake: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not (handshake / "ready").exists():
+        if child.poll() is not None:
+            raise RuntimeError(f"the measured process exited early ({child.returncode})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {READY_TIMEOUT_S:.0f} s under valgrind")
+        time.sleep(0.2)
+    pid = (handshake / "ready").read_text().strip()
+    subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+    (handshake / "go").touch()
+
+
+def report(counts: list[Count]) -> str:
+    lines = [
+        f"{c.source}: {c.per_env_step:,.0f} instructions per env-step "
+        f"({c.num_envs} envs, {c.envs_per_worker} per worker, {c.rounds} rounds)"
+        for c in counts
+    ]
+    if len(counts) == 2:
+        ratio = counts[1].per_env_step / counts[0].per_env_step
+        lines.append(f"this checkout / baseline: {ratio:.3f} ({ratio - 1:+.1%})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-envs", type=int, default=64)
+    parser.add_argument("--envs-per-worker", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=20, help="measured rounds (default 20)")
+    parser.add_argument("--baseline", type=Path, help="another checkout, counted first")
+    parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--dry-run", action="store_true", help="the workload alone, no valgrind")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None or args.dry_run:
+        run_workload(args.num_envs, args.envs_per_worker, args.rounds, args.child)
+        return 0
+    sources = ([args.baseline.resolve()] if args.baseline else []) + [REPO]
+    counts = [count(s, args.num_envs, args.envs_per_worker, args.rounds) for s in sources]
+    print(report(counts))
+    if args.json:
+        rows = [{**asdict(c), "per_env_step": c.per_env_step} for c in counts]
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
