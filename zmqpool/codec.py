@@ -134,8 +134,9 @@ class Encoder:
             known = self._ids.setdefault(layout, (len(self._ids), layout))
             self._by_layout[id(layout)] = (known[0], layout)
         layout_id = known[0]
-        nontensor = list(part.nontensor) or None
-        return EncodedPart(layout_id, self._announce(layout_id, layout), part.buffers, nontensor)
+        nontensor = list(part.nontensor) if part.nontensor else None
+        announced = None if layout_id in self._announced else self._announce(layout_id, layout)
+        return EncodedPart(layout_id, announced, part.buffers, nontensor)
 
     def _announce(self, layout_id: int, layout: Layout) -> dict[str, Any] | None:
         """The layout in full the first time its id is used on this connection, else None."""

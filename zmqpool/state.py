@@ -39,6 +39,11 @@ class Kind(enum.Enum):
     RESET = "reset"
     STEP_RESET = "step_and_maybe_reset"
 
+    # Channels (tuples holding a Kind) key the ledger's dicts on every request and
+    # reply; Enum's own __hash__ is Python code (hash of the name). Members are
+    # singletons compared by identity, so the identity hash is as good, in C.
+    __hash__ = object.__hash__
+
 
 KIND_OF: dict[Command, Kind] = {
     Command.STEP: Kind.STEP,

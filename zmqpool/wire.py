@@ -282,21 +282,23 @@ class Header:
         if type(fields) is not list or len(fields) != 7:
             raise ProtocolError("header must be a msgpack array of 7 fields")
         version, command, env, seq, token, layouts, body = fields  # _pack_header's order
-        if not is_int(version) or version != PROTOCOL_VERSION:
+        # ``type(x) is int``: limits.is_int's exact test, inline (this runs for every
+        # message received, and a call costs more than the test).
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise VersionMismatchError(
                 f"protocol version {version!r} received, this side speaks {PROTOCOL_VERSION}"
             )
-        known = _COMMANDS.get(command) if is_int(command) else None
+        known = _COMMANDS.get(command) if type(command) is int else None
         if known is None:
             raise ProtocolError(f"unknown command {command!r}")
-        if not is_int(env) or not is_int(seq) or seq < 0:
+        if type(env) is not int or type(seq) is not int or seq < 0:
             raise ProtocolError("header env and seq must be integers (seq >= 0)")
         if type(token) is not bytes or len(token) > MAX_TOKEN_BYTES:
             raise ProtocolError(f"header token must be at most {MAX_TOKEN_BYTES} bytes")
         if type(layouts) is not list or len(layouts) > MAX_PARTS:
             raise ProtocolError(f"header layouts must be a list of at most {MAX_PARTS} ids")
         for i in layouts:
-            if not is_int(i) or not 0 <= i < MAX_LAYOUT_ID:
+            if type(i) is not int or not 0 <= i < MAX_LAYOUT_ID:
                 raise ProtocolError("layout ids must be non-negative integers")
         if body is not None and type(body) is not dict:
             raise ProtocolError("header body must be a map or nil")
@@ -395,7 +397,7 @@ class _Run:
         return [Header(Command.BATCH, env, 0, token, body=body).encode(), joined]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Row:
     """One env's command or result on its way out, still as encoded parts.
 
@@ -404,6 +406,9 @@ class Row:
     while another env thread sends), so that :func:`joined_messages` can join
     the rows of envs whose parts share their layouts. ``command`` is the
     message a row alone is: a command (``STEP``, ...) or ``RESULT``.
+
+    Not frozen, for speed (a row is made for every env-step); nobody changes
+    one after it is made.
     """
 
     command: Command
@@ -422,14 +427,13 @@ class Row:
                 nbytes += memoryview(frame).nbytes
         return nbytes if nbytes <= MAX_BATCHED_MESSAGE_BYTES else None
 
+    def join_key(self) -> tuple[Command, tuple[int, ...]]:
+        """What rows that join share: one command, and their parts' layouts, in order."""
+        return self.command, tuple([part.layout_id for part in self.parts])
+
     def joins(self, other: Row) -> bool:
         """Whether ``other`` may travel in one message with this row: one command, one layout."""
-        if self.command != other.command or len(self.parts) != len(other.parts):
-            return False
-        for mine, theirs in zip(self.parts, other.parts, strict=True):
-            if mine.layout_id != theirs.layout_id:
-                return False
-        return True
+        return self.join_key() == other.join_key()
 
     def message(self, token: bytes) -> list[Any]:
         """This row alone: a message of its command."""
@@ -461,6 +465,7 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     """
     out: list[list[Any]] = []
     run: list[Row] = []
+    key: tuple[Command, tuple[int, ...]] | None = None  # the run's (Row.join_key)
     envs: set[int] = set()  # the run's: a peer takes each env once a message
     nbytes = 0
     for entry in outbox:
@@ -471,11 +476,20 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
             out.append(entry)
             continue
         row_nbytes = entry.joinable_nbytes()
-        if run and (row_nbytes is None or not _joins(run, entry, envs, nbytes + row_nbytes)):
+        if row_nbytes is None:  # announces, carries non-tensors, or is large: alone
+            if run:
+                out.append(pack_rows(run, token))
+                run, envs, nbytes = [], set(), 0
+            out.append(entry.message(token))
+            continue
+        row_key = entry.join_key()
+        joins = row_key == key and entry.env not in envs
+        if run and not (joins and nbytes + row_nbytes <= MAX_BATCH_BYTES):
             out.append(pack_rows(run, token))
             run, envs, nbytes = [], set(), 0
-        if row_nbytes is not None and (run or _may_join(entry.command)):
+        if run or _may_join(entry.command):
             run.append(entry)  # a row that joins the run's first has its command
+            key = row_key
             envs.add(entry.env)
             nbytes += row_nbytes
         else:
@@ -487,10 +501,6 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
 
 def _may_join(command: Command) -> bool:
     return command == Command.RESULT or command in JOINABLE_COMMANDS
-
-
-def _joins(run: list[Row], row: Row, envs: set[int], joined_nbytes: int) -> bool:
-    return joined_nbytes <= MAX_BATCH_BYTES and row.env not in envs and run[0].joins(row)
 
 
 def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
