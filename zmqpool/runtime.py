@@ -59,7 +59,7 @@ from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
-from zmqpool.wire import Command, Header, Row, batch_messages, encode_message, joined_messages
+from zmqpool.wire import Command, Header, Row, batch_messages, joined_messages, message_frames
 
 #: How often construction asks launched workers whether one has given up (each
 #: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
@@ -399,11 +399,11 @@ class Runtime:
             entry: Row | list[Any] = (
                 Row(command, env, pending.seq, parts)
                 if pending.body is None
-                else encode_message(Header(command, env, pending.seq, body=pending.body), parts)
+                else message_frames(command, env, pending.seq, b"", pending.body, parts)
             )
             self._outbox.setdefault((link.identity, link.remote), []).append(entry)
             return
-        frames = encode_message(Header(command, env, pending.seq, body=pending.body), parts)
+        frames = message_frames(command, env, pending.seq, b"", pending.body, parts)
         self.broker.route(link.identity, frames, link.remote)
 
     def send_all(

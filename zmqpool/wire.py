@@ -311,15 +311,44 @@ _COMMANDS: dict[int, Command] = {command.value: command for command in Command}
 
 def _pack_header(header: Header, layouts: list[int], body: dict[str, Any] | None) -> bytes:
     """Frame 0: the header's fields in their wire order (the module docstring's)."""
+    return _pack_fields(
+        header.version, header.command, header.env, header.seq, header.token, layouts, body
+    )
+
+
+def _pack_fields(
+    version: int,
+    command: Command,
+    env: int,
+    seq: int,
+    token: bytes,
+    layouts: list[int],
+    body: dict[str, Any] | None,
+) -> bytes:
     return msgpack.packb(
-        [header.version, int(header.command), header.env, header.seq, header.token, layouts, body],
+        [version, int(command), env, seq, token, layouts, body],
         use_bin_type=True,
     )
 
 
 def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
     """Header frame + every part's frames, with layouts announced and non-tensors attached."""
-    body = header.body
+    return message_frames(
+        header.command, header.env, header.seq, header.token, header.body, parts, header.version
+    )
+
+
+def message_frames(
+    command: Command,
+    env: int,
+    seq: int,
+    token: bytes,
+    body: dict[str, Any] | None,
+    parts: Sequence[EncodedPart],
+    version: int = PROTOCOL_VERSION,
+) -> list[Any]:
+    """:func:`encode_message` of ``Header(command, env, seq, token, body=body)``, without
+    building the Header (a frozen dataclass's seven field sets, for every message sent)."""
     new_layouts = {p.layout_id: p.new_layout for p in parts if p.new_layout is not None}
     nontensor = any(p.nontensor for p in parts)
     if new_layouts or nontensor:
@@ -328,8 +357,8 @@ def encode_message(header: Header, parts: Sequence[EncodedPart]) -> list[Any]:
             body["L"] = new_layouts
         if nontensor:
             body["nt"] = [p.nontensor or [] for p in parts]
-    # The parts' layout ids and the body, without building a second Header per message.
-    frames: list[Any] = [_pack_header(header, [p.layout_id for p in parts], body or None)]
+    layouts = [p.layout_id for p in parts]
+    frames: list[Any] = [_pack_fields(version, command, env, seq, token, layouts, body or None)]
     for part in parts:
         frames.extend(part.frames)
     return frames
@@ -437,7 +466,7 @@ class Row:
 
     def message(self, token: bytes) -> list[Any]:
         """This row alone: a message of its command."""
-        return encode_message(Header(self.command, self.env, self.seq, token), self.parts)
+        return message_frames(self.command, self.env, self.seq, token, None, self.parts)
 
 
 #: The commands whose rows may travel joined (:data:`Command.COMMANDS`): those
