@@ -5,7 +5,8 @@ so a change worth 5% of the trainer's CPU cannot be told from noise by
 ``scripts/bench.py``. Callgrind counts the instructions a process executes
 (user space, every thread: the trainer's Python, torch, numpy, msgpack and
 libzmq, its I/O thread included), the same from one run of the same code to
-the next within about 1%.
+the next within 1-3% (the number of polls a recv takes, and with env threads
+how many replies travel joined, still depend on timing).
 
 The workload is fixed whatever the machine's speed: rounds of one
 ``async_step_send`` to every env (a fresh action batch, as a policy makes)

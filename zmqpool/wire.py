@@ -457,12 +457,9 @@ class Row:
         return nbytes if nbytes <= MAX_BATCHED_MESSAGE_BYTES else None
 
     def join_key(self) -> tuple[Command, tuple[int, ...]]:
-        """What rows that join share: one command, and their parts' layouts, in order."""
+        """What rows that may travel in one message share: one command, and their parts'
+        layouts, in order."""
         return self.command, tuple([part.layout_id for part in self.parts])
-
-    def joins(self, other: Row) -> bool:
-        """Whether ``other`` may travel in one message with this row: one command, one layout."""
-        return self.join_key() == other.join_key()
 
     def message(self, token: bytes) -> list[Any]:
         """This row alone: a message of its command."""
@@ -485,7 +482,7 @@ JOINABLE_COMMANDS = frozenset(
 def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[list[Any]]:
     """Kept commands or replies as messages: runs of rows of one command and layouts joined.
 
-    Consecutive joinable :class:`Row` s that :meth:`Row.joins` become one
+    Consecutive joinable :class:`Row` s of one :meth:`Row.join_key` become one
     :data:`Command.RESULTS` or :data:`Command.COMMANDS` (:func:`pack_rows`), of
     at most :data:`~zmqpool.limits.MAX_BATCH_BYTES`, each env in it once (a
     second row of an env begins the next run); any other row becomes its own
