@@ -94,14 +94,17 @@ class Assembler:
     def assemble(self, replies: list[Reply]) -> tuple[TensorDictBase, TensorDictBase | None]:
         """torchrl's result (and, for step_and_maybe_reset, the next root) for sorted replies."""
         command = replies[0].pending.command
-        if any(r.pending.command != command for r in replies):
-            raise RuntimeError("cannot stack replies to different commands in one recv")
-        idx = [r.env for r in replies]
+        idx, nexts = [], []
+        for reply in replies:  # one pass: this runs for every env-step
+            if reply.pending.command != command:
+                raise RuntimeError("cannot stack replies to different commands in one recv")
+            idx.append(reply.env)
+            nexts.append(reply.parts[0] if not reply.synthesized else self.next_part(reply))
         if command in _WITH_NEXT:
             root = self.stack([self.input_part(r) for r in replies])
-            _attach(root, "next", self.stack_next(replies))
+            _attach(root, "next", self.stack(nexts))
         else:
-            root = self.stack_next(replies)
+            root = self.stack(nexts)
         self.set_env_index(root, idx)
         if command != Command.STEP_AND_MAYBE_RESET:
             return root, None
@@ -170,9 +173,7 @@ class Assembler:
         return next_root_after_restart(result, reply.parts[0].to_tensordict())
 
     def stack(self, parts: list[Any]) -> TensorDictBase:
-        layout = parts[0].layout if isinstance(parts[0], DecodedPart) else None
-        same = all(isinstance(p, DecodedPart) and p.layout is layout for p in parts)
-        if same and self.dense:
+        if self.dense and _one_layout(parts):
             return stack_parts(parts)
         return self.stack_tds([_as_tensordict(p) for p in parts])
 
@@ -188,6 +189,18 @@ class Assembler:
         if indices.shape != td.shape:
             indices = expand_as_right(indices, td)
         _attach(td, ENV_INDEX, indices)
+
+
+def _one_layout(parts: list[Any]) -> bool:
+    """Whether every part is a :class:`DecodedPart` of one layout (stacked from frames)."""
+    first = parts[0]
+    if not isinstance(first, DecodedPart):
+        return False
+    layout = first.layout
+    for part in parts:  # a loop, not all() over a generator: it runs for every env-step
+        if not isinstance(part, DecodedPart) or part.layout is not layout:
+            return False
+    return True
 
 
 def _set_one_index(td: TensorDictBase, env: int) -> None:
@@ -238,7 +251,7 @@ def env_index_stack(idx: Sequence[int]) -> NonTensorStack:
     """
     if not _FAST_ITEMS:
         return NonTensorStack(*idx)
-    return _stack_of_items([_index_item(i) for i in idx])
+    return _stack_of_items(_index_items(idx))
 
 
 def _stack_of_items(items: list[NonTensorData]) -> NonTensorStack:
@@ -255,28 +268,33 @@ def _stack_of_items(items: list[NonTensorData]) -> NonTensorStack:
     return stack
 
 
-def _index_item(value: int) -> NonTensorData:
-    """What ``NonTensorData(data=value)`` builds, without its ``__init__``."""
-    item = NonTensorData.__new__(NonTensorData)
-    item.__dict__.update(
-        _tensordict=_empty_scalar_tensordict(),
-        _non_tensordict={"data": value, "_is_non_tensor": True, "_metadata": None},
-        _is_initialized=True,
-    )
-    return item
+def _index_items(values: Sequence[int]) -> list[NonTensorData]:
+    """What ``NonTensorData(data=value)`` builds for each value, without its ``__init__``.
+
+    Each item holds an empty scalar TensorDict, as ``TensorDict._new_unsafe(batch_size=())``
+    leaves it, at a third of its cost (no argument handling). One loop for them all:
+    this runs twice for every env-step.
+    """
+    items = []
+    new_td, new_item = TensorDict.__new__, NonTensorData.__new__
+    for value in values:  # item by item, no keyword arguments: a fifth cheaper than update(**)
+        td = new_td(TensorDict)
+        state = td.__dict__
+        state.update(_EMPTY_STATE)
+        state["_tensordict"] = _ENTRIES()
+        item = new_item(NonTensorData)
+        state = item.__dict__
+        state["_tensordict"] = td
+        state["_non_tensordict"] = {"data": value, "_is_non_tensor": True, "_metadata": None}
+        state["_is_initialized"] = True
+        items.append(item)
+    return items
 
 
 #: An empty scalar TensorDict's state, as ``TensorDict._new_unsafe`` leaves it: copied
 #: into each new one, whose entries get a fresh mapping of the same type.
 _EMPTY_STATE = dict(TensorDict._new_unsafe(batch_size=_SCALAR).__dict__)
 _ENTRIES = type(_EMPTY_STATE["_tensordict"])
-
-
-def _empty_scalar_tensordict() -> TensorDict:
-    """``TensorDict._new_unsafe(batch_size=())`` at a third of its cost (no argument handling)."""
-    td = TensorDict.__new__(TensorDict)
-    td.__dict__.update(_EMPTY_STATE, _tensordict=_ENTRIES())
-    return td
 
 
 def _same_state(fast: Any, slow: Any) -> bool:
@@ -302,7 +320,7 @@ def _same_state(fast: Any, slow: Any) -> bool:
 def _fast_items_match() -> bool:
     """Whether the shortcut builds what tensordict builds (checked once, at import)."""
     try:
-        fast = _stack_of_items([_index_item(0), _index_item(1)])
+        fast = _stack_of_items(_index_items([0, 1]))
         return _same_state(fast, NonTensorStack(0, 1))
     except Exception:  # another tensordict version: take the documented constructor
         return False

@@ -99,6 +99,10 @@ def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[De
     flat, size = packed.reshape(-1).data, layout.packed_nbytes
     has_packed = len(own) < len(layout.leaves)
     parts = []
+    if has_packed and not own and size:  # small leaves only (the usual case): a frame a row
+        for start in range(0, rows * size, size):
+            parts.append(DecodedPart(layout, [flat[start : start + size]], []))
+        return parts
     for row in range(rows):
         buffers = [flat[row * size : (row + 1) * size]] if has_packed else []
         buffers += [np.ascontiguousarray(column[row]).data for column in own]

@@ -77,12 +77,15 @@ NUMPY_DTYPES = {dtype: _numpy_dtype(dtype) for dtype in DTYPE_NAMES}
 
 @dataclasses.dataclass(slots=True)
 class EncodedPart:
-    """A tensordict ready to send: its layout id, frames and non-tensor values."""
+    """A tensordict ready to send: its layout (and id on the connection), frames and
+    non-tensor values. The frames are laid out by ``layout``: their sizes are its
+    ``frame_sizes``."""
 
     layout_id: int
     new_layout: dict[str, Any] | None
     frames: list[Any]
     nontensor: list[Any] | None
+    layout: Layout
 
 
 class Encoder:
@@ -126,7 +129,7 @@ class Encoder:
         frames = _pack(layout, [t for _, t in tensors])
         values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
         announced = None if layout_id in self._announced else self._announce(layout_id, layout)
-        return EncodedPart(layout_id, announced, frames, values or None)
+        return EncodedPart(layout_id, announced, frames, values or None, layout)
 
     def _encode_part(self, part: DecodedPart) -> EncodedPart:
         layout = part.layout
@@ -139,7 +142,7 @@ class Encoder:
         layout_id = known[0]
         nontensor = list(part.nontensor) if part.nontensor else None
         announced = None if layout_id in self._announced else self._announce(layout_id, layout)
-        return EncodedPart(layout_id, announced, part.buffers, nontensor)
+        return EncodedPart(layout_id, announced, part.buffers, nontensor, layout)
 
     def _announce(self, layout_id: int, layout: Layout) -> dict[str, Any] | None:
         """The layout in full the first time its id is used on this connection, else None."""
@@ -547,6 +550,10 @@ class Decoder:
                 raise ProtocolError(
                     f"joined frame of {buffer.nbytes} bytes where {rows} rows take {rows * size}"
                 )
+        if len(joined) == 1 and len(layouts) == 1 and sizes[0]:  # one part, one frame: most
+            layout, frame, size = layouts[0], joined[0], sizes[0]
+            starts = range(0, rows * size, size)
+            return [[DecodedPart(layout, [frame[at : at + size]], [])] for at in starts]
         out = []
         for r in range(rows):
             buffers = [b[r * n : (r + 1) * n] for b, n in zip(joined, sizes, strict=True)]

@@ -139,10 +139,11 @@ class Intake:
             rows = [err] * len(envs)
         now = time.monotonic()
         self.liveness.heard(link.identity, now)
-        for env, seq, parts in zip(envs, seqs, rows, strict=True):
-            pending = self.ledger.match(env, seq, now)
+        match, deliver = self.ledger.match, self.ledger.deliver
+        for env, seq, parts in zip(envs, seqs, rows, strict=True):  # every env-step: lean
+            pending = match(env, seq, now)
             if pending is not None:
-                self.ledger.deliver(_checked_reply(env, pending, parts, records[env].check))
+                deliver(_checked_reply(env, pending, parts, records[env].check), now)
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
         """A result or error from the worker of ``record``: the answer to its oldest request."""
@@ -165,7 +166,7 @@ class Intake:
             except ProtocolError as err:  # the request was real: answer it with the error
                 parts = err
             reply = _checked_reply(header.env, pending, parts, record.check)
-        self.ledger.deliver(reply)
+        self.ledger.deliver(reply, now)
 
     def _handled_as_crash(self, env: int, reply: Reply) -> bool:
         if self.on_env_error is None or not isinstance(reply.error, EnvError):
@@ -181,13 +182,13 @@ def _checked_reply(
     env: int, pending: Pending, parts: list[DecodedPart] | ProtocolError, check: Any
 ) -> Reply:
     """The reply to ``pending``: its parts held to the env's specs (``check``), or the error."""
-    if isinstance(parts, ProtocolError):
+    if type(parts) is not list:  # the ProtocolError decoding raised
         return Reply(env, pending, error=EnvError(env, f"malformed reply: {parts}"))
     for part in parts:
         wrong = check(part.layout)
         if wrong:  # it would break the stack of the whole batch: this env's error alone
             return Reply(env, pending, error=EnvError(env, wrong))
-    return Reply(env, pending, parts=parts, synthesized=pending.synth)
+    return Reply(env, pending, parts, None, pending.synth)  # positional: every env-step
 
 
 def _env_error(header: Header) -> tuple[EnvError, FailureKind | None]:

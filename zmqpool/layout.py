@@ -123,6 +123,13 @@ class Layout:
     lazy: tuple[LazyNode, ...] = ()
     classes: tuple[ClassNode, ...] = ()
     class_types: tuple[type | None, ...] = ()
+    # Derived from frame_sizes, once: a sender reads them for every part it sends.
+    largest_frame: int = dataclasses.field(init=False, compare=False, repr=False)
+    frames_nbytes: int = dataclasses.field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "largest_frame", max(self.frame_sizes, default=0))
+        object.__setattr__(self, "frames_nbytes", sum(self.frame_sizes))
 
     @property
     def num_frames(self) -> int:

@@ -401,7 +401,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_recv_args(kind, min_get, max_get, timeout)
         replies = self._runtime.collect((kind, None), min_get, max_get, timeout, self._raise_taken)
         replies = self._note_restarted(replies)
-        self._busy.difference_update(r.env for r in replies)
+        self._busy.difference_update([r.env for r in replies])
         return replies
 
     def _note_restarted(self, replies: list[Reply]) -> list[Reply]:

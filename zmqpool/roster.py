@@ -147,6 +147,8 @@ class Roster:
         #: Whether a worker has asked for batched commands (never reset): until
         #: one has, a call's commands go one by one, without an outbox.
         self.batching = False
+        #: The envs given up on (see :meth:`lose`) and not taken up again since.
+        self.lost: set[int] = set()
 
     # ------------------------------------------------------------ lookups
 
@@ -224,6 +226,7 @@ class Roster:
             rejoin |= env.phase is not EnvPhase.NEW
             env.phase = EnvPhase.FRESH if env.phase is not EnvPhase.NEW else EnvPhase.LIVE
             env.holder, env.link, env.lost, env.vacant_since = record, link, None, None
+            self.lost.discard(index)
             if env.spec_data != data or env.check is None:
                 env.check = ReplyCheck(index, spec)
             env.spec_data, env.spec = data, spec
@@ -362,6 +365,7 @@ class Roster:
         for index in envs:
             env = self.envs[index]
             env.phase, env.lost, env.link = EnvPhase.LOST, error, None
+            self.lost.add(index)
             if env.holder is not None and env.holder.local_index is not None:
                 env.holder.phase = WorkerPhase.LOST
 

@@ -28,6 +28,7 @@ runtime; their events go to the supervisor; the ready replies are returned.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -378,9 +379,10 @@ class Runtime:
         if link is None:
             return  # sent again when a worker registers for it
         command, payload = pending.command, pending.payload
-        begins = command != Command.SEED
         resets = command not in STEPS
-        if begins and not resets and self.roster.is_fresh(env):  # what begin() will say
+        # A seed begins nothing; anything else to a fresh env begins its life (roster.begin).
+        fresh = command is not Command.SEED and self.roster.is_fresh(env)
+        if fresh and not resets:  # what begin() will say
             command, payload, pending.synth = Command.RESET, None, True
         # Encoded only if sent: encoding announces its layout on this connection.
         parts = [] if payload is None else [link.encoder.encode(payload)]
@@ -391,7 +393,7 @@ class Runtime:
             # Before roster.begin: nothing is sent, so a fresh env stays fresh.
             self._refuse_oversized(env, pending, largest, link.decoder.max_frame_bytes)
             return
-        if begins:
+        if fresh:
             self.roster.begin(env, resets)
         pending.sent_at = time.monotonic()
         if self._outbox is not None and link.batches:  # within send_all(): with its others
@@ -420,13 +422,11 @@ class Runtime:
         if len(envs) == 1 or not self.roster.batching:
             # Nothing to batch. Held back to the end, commands would also reach
             # their workers later (measured: ~4% of a cheap env's steps/s).
-            for env, payload in zip(envs, payloads, strict=True):
-                self.send(env, command, payload, per_env)
+            self._send_each(envs, command, payloads, per_env)
             return
         self._outbox = {}
         try:
-            for env, payload in zip(envs, payloads, strict=True):
-                self.send(env, command, payload, per_env)
+            self._send_each(envs, command, payloads, per_env)
         finally:
             outbox, self._outbox = self._outbox, None
             for (identity, remote), entries in outbox.items():
@@ -434,6 +434,15 @@ class Runtime:
                 batches = messages if len(messages) == 1 else batch_messages(messages, -1)
                 for frames in batches:
                     self.broker.route(identity, frames, remote)
+
+    def _send_each(
+        self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool
+    ) -> None:
+        """:meth:`send` for each env in turn (each recorded, then sent, before the next)."""
+        now = time.monotonic()  # one call's requests are opened at one time
+        open_request, dispatch = self.ledger.open_request, self.dispatch
+        for env, payload in zip(envs, payloads, strict=True):
+            dispatch(env, open_request(env, command, per_env, payload, payload, None, now))
 
     def revoke(self, key: str) -> list[int]:
         """Refuse CURVE key ``key`` from now on, and vacate the slots its workers hold.
@@ -460,6 +469,8 @@ class Runtime:
 
     def refuse_lost(self, envs: Sequence[int]) -> None:
         """Raise the error of the first env in ``envs`` that is lost (a crash loop, a silence)."""
+        if not self.roster.lost:  # the usual case, told without a look at every env
+            return
         for env in envs:
             lost = self.roster.envs[env].lost
             if lost is not None:
@@ -505,7 +516,7 @@ class Runtime:
         if not drained:  # a pump that read everything just now left nothing to take
             self.pump(0)
         self._raise_ready_error(channel, raise_error)
-        return sorted(self.ledger.take(channel, max_get), key=lambda r: r.env)
+        return sorted(self.ledger.take(channel, max_get), key=_BY_ENV)
 
     def _batch_until(self, channel: Channel, wanted: int, deadline: float, drained: bool) -> bool:
         """Deadline batching: pump until ``deadline`` or until there is nothing more to wait for."""
@@ -567,12 +578,15 @@ class Runtime:
         }
 
 
+#: Sorts replies by env index (in C: a lambda would be a Python call per reply).
+_BY_ENV = operator.attrgetter("env")
+
+
 def _largest_frame(parts: list[EncodedPart]) -> int:
-    """The size of the largest frame of ``parts`` (0 for none); loops: it runs every env-step."""
+    """The size of the largest frame of ``parts`` (0 for none), as their layouts say."""
     largest = 0
-    for part in parts:
-        for frame in part.frames:
-            size = memoryview(frame).nbytes
-            if size > largest:
-                largest = size
+    for part in parts:  # a loop, not a generator: it runs every env-step
+        size = part.layout.largest_frame
+        if size > largest:
+            largest = size
     return largest

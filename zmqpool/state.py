@@ -60,7 +60,7 @@ Channel = tuple[Kind, int | None]
 STEPS = frozenset((Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Pending:
     """A request in flight, with what it takes to send it again after a restart."""
 
@@ -74,7 +74,7 @@ class Pending:
     synth: bool = False  # sent as a reset to a restarted env: answer with a truncation
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Reply:
     """An answered request: its parts, or the error to raise for it."""
 
@@ -171,20 +171,29 @@ class Ledger:
     def match(self, env: int, seq: int, now: float) -> Pending | None:
         """The request a reply answers (its sender was checked by the caller), or None."""
         slot = self.slots[env]
-        if not slot.in_flight or slot.in_flight[0].seq != seq:
+        in_flight = slot.in_flight
+        if not in_flight or in_flight[0].seq != seq:
             self.drop("stale or unexpected sequence number")
             return None
-        pending = slot.in_flight.popleft()
-        if slot.in_flight:  # the worker starts on the next one now
-            slot.in_flight[0].sent_at = max(slot.in_flight[0].sent_at, now)
+        pending = in_flight.popleft()
+        if in_flight:  # the worker starts on the next one now
+            following = in_flight[0]
+            if following.sent_at < now:
+                following.sent_at = now
         slot.latencies_s.append(now - pending.sent_at)
         return pending
 
-    def deliver(self, reply: Reply) -> None:
-        if reply.pending.command in STEPS and reply.error is None:
+    def deliver(self, reply: Reply, now: float | None = None) -> None:
+        """Make ``reply`` ready on its channel; ``now``: when it arrived (default: now)."""
+        pending = reply.pending
+        if reply.error is None and pending.command in STEPS:
             self.slots[reply.env].steps += 1
-        reply.ready_at = time.monotonic()
-        self.ready.setdefault(reply.pending.channel, []).append(reply)
+        reply.ready_at = time.monotonic() if now is None else now
+        ready = self.ready.get(pending.channel)
+        if ready is None:  # not setdefault: that builds a list for every reply
+            self.ready[pending.channel] = [reply]
+        else:
+            ready.append(reply)
 
     def take(self, channel: Channel, max_get: int | None) -> list[Reply]:
         """Up to ``max_get`` ready replies of a channel, oldest first."""

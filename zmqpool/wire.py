@@ -246,9 +246,15 @@ class Command(enum.IntEnum):
 # ---------------------------------------------------------------- headers
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Header:
-    """Frame 0 of every message."""
+    """Frame 0 of every message.
+
+    Not frozen, for speed: one is made for every message received (and, on a
+    worker, for every row of a COMMANDS), and a frozen dataclass's ``__init__``
+    sets each field through ``object.__setattr__``. Nobody changes one after it
+    is made.
+    """
 
     command: Command
     env: int = -1
@@ -348,7 +354,7 @@ def message_frames(
     version: int = PROTOCOL_VERSION,
 ) -> list[Any]:
     """:func:`encode_message` of ``Header(command, env, seq, token, body=body)``, without
-    building the Header (a frozen dataclass's seven field sets, for every message sent)."""
+    building the Header (seven field sets, for every message sent)."""
     new_layouts = {p.layout_id: p.new_layout for p in parts if p.new_layout is not None}
     nontensor = any(p.nontensor for p in parts)
     if new_layouts or nontensor:
@@ -449,17 +455,19 @@ class Row:
         """This row's bytes, if it may be joined with others (nothing announced, tensors only,
         at most :data:`~zmqpool.limits.MAX_BATCHED_MESSAGE_BYTES`); else None."""
         nbytes = 0
-        for part in self.parts:  # loops, not generators: this runs for every env-step
+        for part in self.parts:  # a loop, not a generator: this runs for every env-step
             if part.new_layout is not None or part.nontensor:
                 return None
-            for frame in part.frames:
-                nbytes += memoryview(frame).nbytes
+            nbytes += part.layout.frames_nbytes  # the sizes of the frames it laid out
         return nbytes if nbytes <= MAX_BATCHED_MESSAGE_BYTES else None
 
-    def join_key(self) -> tuple[Command, tuple[int, ...]]:
+    def join_key(self) -> tuple[Command | int, ...]:
         """What rows that may travel in one message share: one command, and their parts'
-        layouts, in order."""
-        return self.command, tuple([part.layout_id for part in self.parts])
+        layout ids, in order."""
+        parts = self.parts
+        if len(parts) == 1:  # most rows: no list to build
+            return self.command, parts[0].layout_id
+        return (self.command, *[part.layout_id for part in parts])
 
     def message(self, token: bytes) -> list[Any]:
         """This row alone: a message of its command."""
@@ -491,7 +499,7 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     """
     out: list[list[Any]] = []
     run: list[Row] = []
-    key: tuple[Command, tuple[int, ...]] | None = None  # the run's (Row.join_key)
+    key: tuple[Command | int, ...] | None = None  # the run's (Row.join_key)
     envs: set[int] = set()  # the run's: a peer takes each env once a message
     nbytes = 0
     for entry in outbox:
@@ -547,6 +555,9 @@ def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
         header = Header(Command.COMMANDS, first.env, 0, token)
         body["c"] = int(first.command)
     frames: list[Any] = [_pack_header(header, [p.layout_id for p in first.parts], body)]
+    if len(first.parts) == 1 and len(first.parts[0].frames) == 1:  # rows share layouts
+        frames.append(b"".join([r.parts[0].frames[0] for r in rows]))  # most: one frame each
+        return frames
     columns = zip(*[[f for p in r.parts for f in p.frames] for r in rows], strict=True)
     frames += [b"".join(column) for column in columns]
     return frames
