@@ -15,6 +15,7 @@ force the exact order of deaths that once crashed the trainer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -244,6 +245,31 @@ class FatalEnv(CountingEnv):
         return super()._step(tensordict)
 
 
+def test_a_cheap_env_stepped_inline_that_ends_its_worker_restarts_it_with_truncations():
+    """With env threads, envs judged cheap step in the worker's main thread
+    (workers.inline): env code's SystemExit there ends the worker as in any
+    inline worker, and the pool restarts it, answering both envs with truncations."""
+    pool = ZMQAsyncEnvPool(
+        [FatalEnv] * 2,
+        create_env_kwargs=[{"env_id": i} for i in range(2)],
+        envs_per_worker=2,
+        config=QUICK,
+    )
+    try:
+        pool.reset()
+        for _ in range(4):  # enough to judge both cheap
+            step(pool, [0.1, 0.1])
+        out = step(pool, [0.9, 0.1])
+        assert pool.last_restarted_envs == [0, 1] and out["next", "truncated"].all()
+        assert restarts(pool) == [1, 1]
+        cause = env_stats(pool)[0]["last_restart_cause"]
+        assert cause.startswith("exited with code")
+        assert ENV_THREAD_DIED == 70 and "code 70" not in cause  # not from an env thread
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+    finally:
+        pool.close()
+
+
 class UnprintableError(ValueError):
     def __repr__(self) -> str:
         raise RuntimeError("this exception cannot be printed")
@@ -263,11 +289,14 @@ def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations()
     both envs' requests with truncations, as a crash. An exception whose repr
     raises is still an EnvError for its env, not a dead thread.
     """
+    # Every env in its thread: one judged cheap would step inline (workers.inline),
+    # where the same SystemExit ends the worker as any inline crash does.
+    threaded = dataclasses.replace(QUICK, inline_cheap_envs=False)
     pool = ZMQAsyncEnvPool(
         [FatalEnv] * 2,
         create_env_kwargs=[{"env_id": i} for i in range(2)],
         envs_per_worker=2,
-        config=QUICK,
+        config=threaded,
     )
     try:
         pool.reset()

@@ -175,7 +175,10 @@ def _wait_until(condition, what: str) -> None:
 
 def test_env_threads_leave_their_replies_to_the_sender_and_they_go_joined(tmp_path):
     envs = {0: CountingEnv(env_id=7), 1: SignallingEnv(env_id=8), 2: SignallingEnv(env_id=9)}
-    worker = Worker(f"ipc://{tmp_path}/nobody", b"w0", EnvHost(envs), env_threads=True)
+    # Every env in its thread: none steps inline, even one judged cheap (workers.inline).
+    worker = Worker(
+        f"ipc://{tmp_path}/nobody", b"w0", EnvHost(envs), env_threads=True, inline_cheap=False
+    )
     push = worker.push = GatedPush()
     worker.token = b"t" * 16
     encoder, decoder = Encoder(), Decoder()

@@ -55,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-threads",
         action="store_true",
         help="with several envs in this process: step each in its own thread, so an env "
-        "that waits does not hold up the others",
+        "that waits does not hold up the others (those judged cheap step inline)",
+    )
+    parser.add_argument(
+        "--no-inline-cheap",
+        action="store_true",
+        help="with --env-threads: keep every env in its thread, even those whose steps are "
+        "short and never wait (for envs that wait for another env of this process)",
     )
     parser.add_argument(
         "--slots", help="comma-separated pool env indices to ask for (default: any free slots)"
@@ -203,6 +209,7 @@ def serve(
             keys=keys,
             slots=slots,
             env_threads=args.env_threads,
+            inline_cheap=not args.no_inline_cheap,
         )
 
     # The envs first: their specs bound what the worker's sockets accept, set before they connect.

@@ -47,18 +47,19 @@ import contextlib
 import dataclasses
 import logging
 import os
+import resource
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from workers.hosting import EnvHost
+from workers.inline import PROBE_WAIT_S, SHORT_WAIT_S, InlineJudge, StepTimes
 from workers.replies import ReplyQueue
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
@@ -112,6 +113,21 @@ log = logging.getLogger("workers")
 #: hundreds of us a step) still go as one message.
 _HOLD_FOR_S = 0.001
 
+#: The commands that run on an env (the others are the connection's own).
+_ENV_COMMANDS = frozenset(
+    (
+        Command.STEP,
+        Command.RESET,
+        Command.STEP_AND_MAYBE_RESET,
+        Command.STEP_RAW,
+        Command.RESET_RAW,
+        Command.SEED,
+    )
+)
+
+#: How often a probe (workers.inline) looks whether the env threads are done meanwhile.
+_IDLE_POLL_S = 0.0001
+
 #: How long :meth:`Worker.close` waits for its threads to finish what they are
 #: doing (an env step in flight) before it leaves them to the process's exit.
 CLOSE_JOIN_S = 1.0
@@ -140,6 +156,8 @@ class Worker:
         keys: CURVE keys, for a pool bound on TCP with ``curve_keys``.
         slots: the pool's env indices to ask for (remote workers; default: any free).
         env_threads: step each hosted env in its own thread (see :mod:`workers.threads`).
+        inline_cheap: with env threads, step inline the envs judged cheap (see
+            :mod:`workers.inline`); False keeps every env in its thread.
     """
 
     def __init__(
@@ -153,6 +171,7 @@ class Worker:
         keys: ClientKeys | None = None,
         slots: list[int] | None = None,
         env_threads: bool = False,
+        inline_cheap: bool = True,
     ) -> None:
         self.router = router
         self.identity = identity
@@ -185,6 +204,9 @@ class Worker:
         self.malformed_beats = 0
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
+        #: With env threads: which envs step inline instead, being short and busy.
+        self._judge = InlineJudge()
+        self.inline_cheap = inline_cheap
         #: Every reply goes through it: the PUSH is its lock's.
         self._replies: ReplyQueue[Row | list[Any]] = ReplyQueue(self._send_now)
         #: The encoder's: a result is encoded (its bytes taken before its env steps
@@ -449,7 +471,8 @@ class Worker:
             log.warning("dropped a malformed command: %s", err)
             return None
 
-    def _handle_command(self, command: _Command) -> bool:
+    def _handle_command(self, command: _Command, inline: bool | None = None) -> bool:
+        """``inline``: where an env's command runs, if decided (see :meth:`_execute`)."""
         kind = command.header.command
         if kind == Command.CLOSE:
             return False
@@ -457,7 +480,7 @@ class Worker:
             self.dropped += 1
             log.warning("dropped a batch inside a batch")
         elif kind not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
-            self._execute(command)
+            self._execute(command, inline)
         return True
 
     def _handle_batch(self, header: Header, frames: list[Any]) -> bool:
@@ -477,31 +500,64 @@ class Worker:
 
     def _handle_several(self, commands: list[_Command]) -> bool:
         """Commands of one message in order (a COMMANDS as its rows), replies kept inline."""
-        inline = self._runs_inline()
-        # Only the main thread replies when envs run inline: nothing else can
-        # reach the outbox while it is open.
+        inline = self._runs_inline() or self._all_cheap()
+        # Envs run inline: their replies are kept and go together at the end. (A
+        # reply from an env thread, queued meanwhile, joins them: see _send_now.)
         self._outbox = [] if inline else None
         try:
-            for command in self._rows_apart(commands):
-                env = command.header.env
-                if self._outbox and self._step_s.get(env, 0.0) > _HOLD_FOR_S:
-                    self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
-                started = time.perf_counter()
-                if not self._handle_command(command):
-                    return False
-                if inline and env in self.host.envs:
-                    self._step_s[env] = time.perf_counter() - started
+            for command in commands:
+                # A COMMANDS is taken apart when its turn comes: its error replies keep their place.
+                rows = self._rows_of(command)
+                # Rows for env threads go first: an env stepping inline then never waits
+                # for one of them to be handed to its thread (each env comes once a message).
+                threaded: list[_Command] = []
+                inline_rows: list[_Command] = []
+                for row in rows:
+                    (threaded if self._goes_to_thread(row) else inline_rows).append(row)
+                for row in threaded:
+                    self._handle_command(row, inline=False)  # not a CLOSE: an env's command
+                for row in inline_rows:
+                    if not self._handle_inline(row, inline):
+                        return False
             return True
         finally:
             self._flush_outbox()
 
-    def _rows_apart(self, commands: list[_Command]) -> Iterator[_Command]:
-        """``commands``, each COMMANDS among them as one command per row, in its place."""
-        for command in commands:
-            if command.header.command == Command.COMMANDS:
-                yield from self._rows(command.header, command.frames)
-            else:
-                yield command
+    def _handle_inline(self, row: _Command, timed: bool) -> bool:
+        """Handle a command that may run inline; ``timed``: note how long its env took."""
+        env = row.header.env
+        if self._outbox and self._step_s.get(env, 0.0) > _HOLD_FOR_S:
+            self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
+        started = time.perf_counter()
+        if not self._handle_command(row, inline=True):
+            return False
+        if timed and env in self.host.envs:
+            self._step_s[env] = time.perf_counter() - started
+        return True
+
+    def _goes_to_thread(self, command: _Command) -> bool:
+        """Whether a command runs in its env's thread (see :meth:`_execute`)."""
+        if self.runners is None or self._runs_inline():
+            return False
+        env = self.host.envs.get(command.header.env)
+        if env is None or command.header.command not in _ENV_COMMANDS:
+            return False
+        if not self.inline_cheap or not self._judge.runs_inline(command.header.env):
+            return True
+        # Inline only with its thread idle: an env's commands run in the order they came.
+        return not self.runners.runner_for(env, command.header.env).idle()
+
+    def _rows_of(self, command: _Command) -> list[_Command]:
+        """A COMMANDS as one command per row; any other command as it is."""
+        if command.header.command == Command.COMMANDS:
+            return self._rows(command.header, command.frames)
+        return [command]
+
+    def _all_cheap(self) -> bool:
+        """Whether every hosted env was judged cheap: all of them step inline."""
+        if self.runners is None or not self.inline_cheap:
+            return False
+        return self._judge.all_cheap(self.host.envs.keys())
 
     def _rows(self, header: Header, frames: list[Any]) -> list[_Command]:
         """A COMMANDS as one command per env, each its row already decoded (wire: rows joined).
@@ -555,7 +611,13 @@ class Worker:
         joined = joined_messages(replies, self.token)
         return batch_messages(joined, env, self.token, max(1, len(self.host.envs)))
 
-    def _execute(self, command: _Command) -> None:
+    def _execute(self, command: _Command, inline: bool | None = None) -> None:
+        """Decode a command and run it: inline, or in its env's thread.
+
+        With env threads, ``inline`` says where, as :meth:`_goes_to_thread`
+        decided; None: decide here. An env runs inline only with its thread
+        idle and not judged to wait (:mod:`workers.inline`).
+        """
         header = command.header
         try:
             parts = command.parts
@@ -570,8 +632,37 @@ class Worker:
         env = self.host.envs.get(header.env)
         if self.runners is None or env is None or self._runs_inline():
             self._run(header, td)
-        else:
+            return
+        if inline is None:
+            inline = not self._goes_to_thread(command)
+        if not inline:
             self.runners.runner_for(env, header.env).submit(lambda: self._run(header, td))
+            return
+        clean = self.runners.all_idle()  # then nothing else steps while this one runs inline
+        if not clean and self._judge.unjudged(header.env):
+            clean = self._await_idle_threads(PROBE_WAIT_S)  # a probe: judged alone if it can be
+        self._run_judged(header, td, clean)
+
+    def _await_idle_threads(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for every env thread to finish its jobs; whether they did."""
+        assert self.runners is not None
+        deadline = time.perf_counter() + wait_s
+        while not self.runners.all_idle():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(_IDLE_POLL_S)
+        return True
+
+    def _run_judged(self, header: Header, td: Any, clean: bool) -> None:
+        """:meth:`_run` inline, timed, for the judge of which envs step inline."""
+        switches = _voluntary_switches()
+        wall, cpu = time.perf_counter(), time.thread_time()  # after the system call
+        self._run(header, td)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        # Ran for its CPU time, give or take a short wait: no need to ask (a system call).
+        ran = wall - cpu < SHORT_WAIT_S and switches is not None
+        waited = not ran and (switches is None or _voluntary_switches() != switches)
+        self._judge.record(header.env, StepTimes(wall, cpu, waited), clean)
 
     def _run(self, header: Header, td: Any) -> None:
         """Run one command on its env and send the reply (from an env thread, maybe)."""
@@ -845,6 +936,20 @@ class _DropWatch:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.monitor.close()
+
+
+def _voluntary_switches() -> int | None:
+    """How often this thread gave up the CPU on its own so far (it slept, read, or locked).
+
+    None where the OS does not count it per thread (Linux does): every step then
+    counts as one that waited, and the worker's envs keep their threads.
+    """
+    if _RUSAGE_THREAD is None:
+        return None
+    return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
+
+
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def command_frame_limit(host: EnvHost, router: str) -> int:

@@ -51,6 +51,7 @@ class EnvActor:
         slots: list[int],
         register_timeout_s: float,
         env_threads: bool = False,
+        inline_cheap: bool = True,
     ) -> None:
         self.connect = connect
         self.public = keys[0]
@@ -67,6 +68,7 @@ class EnvActor:
             keys=ClientKeys(keys[0], keys[1], keys[2]),
             slots=list(slots),
             env_threads=env_threads,
+            inline_cheap=inline_cheap,
         )
         self.thread = threading.Thread(target=self._run, name="zmqpool-ray-worker", daemon=True)
         self.thread.start()

@@ -9,7 +9,9 @@ reply queue (:mod:`workers.replies`): the PUSH socket is shared, one thread
 at a time, and a reply that finds it taken is sent by the thread holding it,
 so its own thread goes on to its next command. For one env per worker there
 is nothing to overlap, and the thread hop would only cost: the worker then
-runs commands inline.
+runs commands inline. So do envs whose steps are short and never wait, once
+judged so (:mod:`workers.inline`): a runner says when it is idle, so that an
+env steps inline only after everything given to its thread has run.
 
 A job answers its command itself, env exceptions included. Anything that
 escapes it (a ``SystemExit`` or ``KeyboardInterrupt`` raised by env code, or a
@@ -37,15 +39,29 @@ OnDeath = Callable[[str, BaseException], None]
 class EnvRunner:
     """A daemon thread running one env's jobs in the order they were given."""
 
-    def __init__(self, name: str, on_death: OnDeath) -> None:
+    def __init__(
+        self, name: str, on_death: OnDeath, on_submit: Callable[[EnvRunner], None] | None = None
+    ) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._on_death = on_death
+        self._on_submit = on_submit
         self._cancelled = False
+        # Each written by one thread only (the submitter's, the runner's): no lock needed.
+        self._submitted = 0
+        self._finished = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        """Run ``job`` after those submitted before it (call from one thread only)."""
+        self._submitted += 1
         self._jobs.put(job)
+        if self._on_submit is not None:
+            self._on_submit(self)
+
+    def idle(self) -> bool:
+        """Whether every job submitted so far has finished (from the submitting thread)."""
+        return self._finished == self._submitted
 
     def cancel(self) -> None:
         """End after the job it is running; the jobs not started are dropped."""
@@ -62,6 +78,7 @@ class EnvRunner:
             while (job := self._jobs.get()) is not None:
                 if not self._cancelled:  # closing: nobody will read the reply
                     job()
+                self._finished += 1
         except BaseException as err:  # the thread ends here: say so, or the env hangs unseen
             self._on_death(self._thread.name, err)
 
@@ -74,13 +91,22 @@ class EnvRunners:
         # worker's envs may get new indices, and one env must never run in two threads.
         self._runners: dict[int, tuple[Any, EnvRunner]] = {}
         self._on_death = on_death
+        # Runners given a job since all_idle last found them idle: the only ones it looks at.
+        self._maybe_busy: set[EnvRunner] = set()
 
     def runner_for(self, env: Any, index: int) -> EnvRunner:
         entry = self._runners.get(id(env))
         if entry is None or entry[0] is not env:
-            entry = (env, EnvRunner(f"env-{index}", self._on_death))
+            entry = (env, EnvRunner(f"env-{index}", self._on_death, self._maybe_busy.add))
             self._runners[id(env)] = entry
         return entry[1]
+
+    def all_idle(self) -> bool:
+        """Whether no runner has a job to run or running (from the submitting thread)."""
+        busy = self._maybe_busy
+        if busy:  # emptied in place: each runner holds its add
+            busy.difference_update([runner for runner in busy if runner.idle()])
+        return not busy
 
     def stop(self, timeout_s: float) -> list[Any]:
         """End every runner, waiting up to ``timeout_s`` in all for the jobs they are running.

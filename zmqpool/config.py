@@ -13,6 +13,7 @@ _BOOL_FIELDS = (
     "fork_server",
     "share_fork_server",
     "env_threads",
+    "inline_cheap_envs",
     "strict_inputs",
     "io_thread_batch_sched",
 )
@@ -80,6 +81,11 @@ class PoolConfig:
     #: others; False steps them one after another (cheaper for cheap envs), and
     #: a worker then answers the commands of one call in one message.
     env_threads: bool = True
+    #: with env threads: step inline (in the worker's main thread) the envs whose
+    #: steps are short and never wait, judged by timing a few of their steps
+    #: (``workers.inline``): a thread only slows such a step down. False keeps every
+    #: env in its thread, for envs that wait for another env of their worker.
+    inline_cheap_envs: bool = True
     #: refuse a step input whose actions (or state entries) have another dtype
     #: or shape than the spec, at the send. Off by default, as in torchrl: the
     #: env gets the caller's tensors as they are (envs cast, or broadcast).

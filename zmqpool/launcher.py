@@ -266,8 +266,11 @@ def worker_argv(
     heartbeat_s: float,
     env_threads: bool = False,
     torch_threads: int | None = None,
+    inline_cheap: bool = True,
 ) -> list[str]:
     threads = ["--env-threads"] if env_threads and len(indices) > 1 else []
+    if threads and not inline_cheap:
+        threads.append("--no-inline-cheap")
     if torch_threads is not None:
         threads += ["--torch-threads", str(torch_threads)]
     return [

@@ -80,6 +80,8 @@ class RayWorkers:
             bound host, or this node's Ray address when bound to ``0.0.0.0``/``*``).
         register_timeout_s: how long an actor waits for the pool before failing.
         env_threads: step an actor's envs each in its own thread.
+        inline_cheap_envs: with ``env_threads``, step inline the envs judged cheap
+            (``PoolConfig.inline_cheap_envs``).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class RayWorkers:
         connect_host: str | None = None,
         register_timeout_s: float = 60.0,
         env_threads: bool = False,
+        inline_cheap_envs: bool = True,
     ) -> None:
         if not isinstance(count, int) or count < 1 or envs_per_actor < 1:
             raise ValueError(f"RayWorkers needs count >= 1 and envs_per_actor >= 1, got {count}")
@@ -111,6 +114,7 @@ class RayWorkers:
         self.connect_host = connect_host
         self.register_timeout_s = register_timeout_s
         self.env_threads = env_threads
+        self.inline_cheap_envs = inline_cheap_envs
         self.actors: list[Any] = []
         self._placement_group: Any = None
         # One status query in flight per actor, for poll_failures (index -> ObjectRef).
@@ -144,6 +148,7 @@ class RayWorkers:
                 slots,
                 self.register_timeout_s,
                 self.env_threads,
+                self.inline_cheap_envs,
             )
             self.actors.append(handle)
         log.info(

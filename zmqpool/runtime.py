@@ -256,6 +256,7 @@ class Runtime:
             self.config.heartbeat_interval_s,
             self.config.env_threads,
             self.config.worker_torch_threads,
+            self.config.inline_cheap_envs,
         )
         masks = self.plan.worker_affinity
         affinity = None if masks is None else masks[record.local_index]

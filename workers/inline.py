@@ -1,0 +1,146 @@
+"""Which of a threaded worker's envs step in its main thread: the short, busy ones.
+
+With env threads (``PoolConfig.env_threads``, on by default), each hosted env
+steps in its own thread, so that an env that waits (a simulator sleeping, or
+releasing the GIL in C) does not hold up the others. For an env whose step is
+short Python work, the thread only costs: its step competes for the GIL with
+the others' at every torch op, and a worker of 16 such envs stepped them at
+a median of 5.4 ms of wall time and 563 us of CPU each, where the same step
+inline took 47 us of both (measured in docs/PERFORMANCE.md, session 26).
+
+So an env's step is *judged* by running it inline (in the worker's main
+thread): its thread's CPU time, and whether the thread gave up the CPU on its
+own (a voluntary context switch: a sleep, a blocking read, a lock) or was only
+preempted (other processes need the CPU: on a busy machine wall time says
+nothing). A step that gave up the CPU *waited*, for its wall time less its CPU
+time. A step is *clean* if no env thread had anything to run meanwhile (with
+others stepping, every step waits for the GIL, up to ~10 ms measured).
+
+- A message's commands for env threads are handed to them first; then the
+  others run inline, in order: those of cheap envs, and probes.
+- An env not judged yet steps inline, as a probe (after waiting up to
+  :data:`PROBE_WAIT_S` for the env threads to finish what they run, so that
+  it is clean). Its first :data:`WARMUP_STEPS` are not judged: a first step
+  imports modules and fills caches.
+- A step that did not wait and took at most :data:`CHEAP_STEP_S` of CPU
+  makes the env *cheap*, clean or not: it keeps stepping inline, each step
+  judged again.
+- A clean step that waited :data:`SHORT_WAIT_S` or more, or took more CPU than
+  :data:`CHEAP_STEP_S`, is a strike; so is an unclean one that waited
+  :data:`WAITER_STEP_S` or more. An env with :data:`STRIKES` strikes (a strike
+  is forgiven after :data:`FORGIVE_AFTER` cheap steps in a row) steps in its
+  thread for good; so does one whose clean step waited :data:`WAITER_STEP_S`
+  or more, or whose unclean step waited :data:`WAITED_S` or more.
+
+What this costs an env that waits: two or three of its steps run inline, each
+holding up the commands that arrive meanwhile (a worker of 16 envs that each
+sleep 50 ms a step loses 0.8 s once). It cannot tell an env that will wait
+for another env of the same worker (a rendezvous) if that one was quick
+whenever it was judged: such an env, stepping inline, is held up until its
+wait ends (or forever); ``PoolConfig(inline_cheap_envs=False)`` keeps every
+env in its thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import NamedTuple
+
+#: An env's first steps inline are not judged (the first imports modules, fills caches).
+WARMUP_STEPS = 1
+#: A step of at most this much CPU that never waited is cheap enough to run inline.
+CHEAP_STEP_S = 0.001
+#: How long a probe waits for the env threads to finish what they run before it steps.
+PROBE_WAIT_S = 0.001
+#: A clean step that waited this long sends its env to its thread at once.
+WAITER_STEP_S = 0.010
+#: Less waiting than this in a clean step is not held against it (a page fault, a log line).
+SHORT_WAIT_S = 0.00005
+#: A step that waited this long sends its env to its thread even if others stepped
+#: meanwhile (a cheap step among busy env threads was measured at up to 9.6 ms).
+WAITED_S = 0.050
+#: Strikes (clean steps that waited, or computed long) that send an env to its thread.
+STRIKES = 2
+#: Cheap steps in a row after which an env's strikes are forgiven (a GC pause is not a wait).
+FORGIVE_AFTER = 100
+
+
+class StepTimes(NamedTuple):
+    """An inline step, timed: wall clock, the thread's CPU time, and whether it gave up
+    the CPU on its own (a voluntary context switch) at least once."""
+
+    wall_s: float
+    cpu_s: float
+    waited: bool
+
+
+@dataclasses.dataclass
+class _Verdict:
+    """One env's record: its strikes, the cheap steps since the last one, and whether it waits."""
+
+    steps: int = 0
+    strikes: int = 0
+    cheap_run: int = 0
+    cheap: bool = False
+    waits: bool = False
+
+
+class InlineJudge:
+    """Per env: run its next command inline, or in its thread? See the module docstring."""
+
+    def __init__(self) -> None:
+        self._verdicts: dict[int, _Verdict] = {}
+        self._cheap: set[int] = set()  # the envs judged cheap (and not to wait)
+
+    def runs_inline(self, env: int) -> bool:
+        """Whether env ``env``'s next command may run inline (its thread being idle):
+        unless it was judged to wait. Not judged yet, it runs inline as a probe."""
+        verdict = self._verdicts.get(env)
+        return verdict is None or not verdict.waits
+
+    def record(self, env: int, step: StepTimes, clean: bool) -> None:
+        """How an inline step of env ``env`` went; ``clean``: no env thread had anything to run."""
+        verdict = self._verdicts.setdefault(env, _Verdict())
+        verdict.steps += 1
+        if verdict.waits or verdict.steps <= WARMUP_STEPS:  # judged for good, or warming up
+            return  # (a first step imports modules, fills caches: it says nothing)
+        waited_s = step.wall_s - step.cpu_s if step.waited else 0.0
+        if not step.waited and step.cpu_s <= CHEAP_STEP_S:  # clean or not: it only computed
+            verdict.cheap = True
+            self._cheap.add(env)
+            verdict.cheap_run += 1
+            if verdict.cheap_run >= FORGIVE_AFTER:
+                verdict.strikes = verdict.cheap_run = 0
+            return
+        if clean:
+            if waited_s < SHORT_WAIT_S and step.cpu_s <= CHEAP_STEP_S:
+                return  # a page fault, a log line: neither cheap nor a strike
+            self._strike(env, verdict, waited_s >= WAITER_STEP_S)
+        elif waited_s >= WAITER_STEP_S:  # others stepped too, and held the GIL: only long waits
+            self._strike(env, verdict, waited_s >= WAITED_S)
+
+    def _strike(self, env: int, verdict: _Verdict, out: bool) -> None:
+        verdict.strikes += 1
+        verdict.cheap_run = 0
+        if out or verdict.strikes >= STRIKES:
+            verdict.waits, verdict.cheap = True, False
+            self._cheap.discard(env)
+
+    def unjudged(self, env: int) -> bool:
+        """Whether env ``env`` has no verdict yet (a step of it inline is a probe)."""
+        verdict = self._verdicts.get(env)
+        return verdict is None or not (verdict.cheap or verdict.waits)
+
+    def waits(self, env: int) -> bool:
+        """Whether env ``env`` was judged to wait (it steps in its thread for good)."""
+        verdict = self._verdicts.get(env)
+        return verdict is not None and verdict.waits
+
+    def cheap(self, env: int) -> bool:
+        """Whether env ``env`` was judged cheap (it steps inline)."""
+        return env in self._cheap
+
+    def all_cheap(self, envs: Collection[int]) -> bool:
+        """Whether every env of ``envs`` was judged cheap."""
+        return self._cheap.issuperset(envs)
