@@ -372,6 +372,19 @@ def test_a_second_row_of_an_env_begins_the_next_run():
     assert headers[1].seq == 12
 
 
+def test_rows_announced_before_join_as_one_message_within_the_batch_limit():
+    # What joined_messages tells in one pass (the usual outbox), it must tell as the long way.
+    encoder = Encoder()
+    td = TensorDict({"obs": torch.zeros(MAX_BATCHED_MESSAGE_BYTES // 2, dtype=torch.uint8)}, [])
+    encoder.encode(td)  # announced before
+    rows = [Row(Command.RESULT, i, 1, [encoder.encode(td)]) for i in range(40)]
+    [one] = joined_messages(rows[:3], b"")
+    assert results_rows(Header.decode(one[0]), 3) == ([0, 1, 2], [1, 1, 1])
+    out = joined_messages(rows, b"")
+    assert len(out) > 1 and all(sum(len(f) for f in m[1:]) <= MAX_BATCH_BYTES for m in out)
+    assert [e for m in out for e in results_rows(Header.decode(m[0]), 40)[0]] == list(range(40))
+
+
 def test_a_batch_holds_at_most_max_messages():
     messages = [_message(env) for env in range(5)]
     out = batch_messages(messages, env=0, max_messages=2)

@@ -142,7 +142,11 @@ class Intake:
         match, deliver = self.ledger.match, self.ledger.deliver
         for env, seq, parts in zip(envs, seqs, rows, strict=True):  # every env-step: lean
             pending = match(env, seq, now)
-            if pending is not None:
+            if pending is None:
+                continue
+            if type(parts) is list and len(parts) == 1 and not records[env].check(parts[0].layout):
+                deliver(Reply(env, pending, parts, None, pending.synth), now)  # the usual reply
+            else:
                 deliver(_checked_reply(env, pending, parts, records[env].check), now)
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:

@@ -384,10 +384,6 @@ class Roster:
 
     # ------------------------------------------------------------ sending
 
-    def is_fresh(self, index: int) -> bool:
-        """Whether env ``index`` was rebuilt and sent nothing since (see :meth:`begin`)."""
-        return self.envs[index].phase is EnvPhase.FRESH
-
     def begin(self, index: int, resets: bool) -> bool:
         """A command goes to env ``index``; whether it is fresh and the command must be a reset.
 

@@ -38,7 +38,7 @@ import zmq
 from zmqpool import forkservers
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
-from zmqpool.codec import EncodedPart, layout_of
+from zmqpool.codec import layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import (
     Endpoints,
@@ -56,7 +56,7 @@ from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
 from zmqpool.ray_workers import LaunchContext, RemoteLauncher
-from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
+from zmqpool.roster import EnvPhase, Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
@@ -376,18 +376,22 @@ class Runtime:
         that never began an episode, so its first step becomes a reset, answered
         to the caller as a truncation (``pending.synth``).
         """
-        link = self.roster.envs[env].link
+        record = self.roster.envs[env]
+        link = record.link
         if link is None:
             return  # sent again when a worker registers for it
         command, payload = pending.command, pending.payload
         resets = command not in STEPS
         # A seed begins nothing; anything else to a fresh env begins its life (roster.begin).
-        fresh = command is not Command.SEED and self.roster.is_fresh(env)
+        fresh = command is not Command.SEED and record.phase is EnvPhase.FRESH
         if fresh and not resets:  # what begin() will say
             command, payload, pending.synth = Command.RESET, None, True
         # Encoded only if sent: encoding announces its layout on this connection.
-        parts = [] if payload is None else [link.encoder.encode(payload)]
-        largest = _largest_frame(parts)
+        if payload is None:
+            parts, largest = [], 0
+        else:
+            part = link.encoder.encode(payload)
+            parts, largest = [part], part.layout.largest_frame  # its frames are laid out so
         if largest > link.decoder.max_frame_bytes:
             # Its worker's socket takes frames as large as its specs imply (with headroom),
             # and would drop the connection for this one: answer with an error instead.
@@ -404,7 +408,12 @@ class Runtime:
                 if pending.body is None
                 else message_frames(command, env, pending.seq, b"", pending.body, parts)
             )
-            self._outbox.setdefault((link.identity, link.remote), []).append(entry)
+            key = (link.identity, link.remote)
+            queued = self._outbox.get(key)
+            if queued is None:  # not setdefault: that builds a list for every row
+                self._outbox[key] = [entry]
+            else:
+                queued.append(entry)
             return
         frames = message_frames(command, env, pending.seq, b"", pending.body, parts)
         self.broker.route(link.identity, frames, link.remote)
@@ -581,13 +590,3 @@ class Runtime:
 
 #: Sorts replies by env index (in C: a lambda would be a Python call per reply).
 _BY_ENV = operator.attrgetter("env")
-
-
-def _largest_frame(parts: list[EncodedPart]) -> int:
-    """The size of the largest frame of ``parts`` (0 for none), as their layouts say."""
-    largest = 0
-    for part in parts:  # a loop, not a generator: it runs every env-step
-        size = part.layout.largest_frame
-        if size > largest:
-            largest = size
-    return largest

@@ -497,6 +497,8 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     message, and a message (an error reply, a command with a body) stays as it
     is. The order is kept: a row may use a layout an earlier message announced.
     """
+    if len(outbox) > 1 and _one_run(outbox):  # the usual outbox: one worker's rows of one step
+        return [pack_rows(outbox, token)]  # type: ignore[arg-type]  # all Rows: _one_run says
     out: list[list[Any]] = []
     run: list[Row] = []
     key: tuple[Command | int, ...] | None = None  # the run's (Row.join_key)
@@ -531,6 +533,30 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     if run:
         out.append(pack_rows(run, token))
     return out
+
+
+def _one_run(outbox: Sequence[Row | list[Any]]) -> bool:
+    """Whether ``outbox`` is rows that all join into one message (what :func:`joined_messages`
+    would make of them), told in one pass: one command that may join, one part each, of one
+    layout id announced before, tensors only, each env once, within the size limits."""
+    first = outbox[0]
+    if type(first) is not Row or len(first.parts) != 1 or not _may_join(first.command):
+        return False
+    command, layout_id = first.command, first.parts[0].layout_id
+    envs: set[int] = set()
+    nbytes = 0
+    for row in outbox:
+        if type(row) is not Row or row.command != command or len(row.parts) != 1:
+            return False
+        part = row.parts[0]
+        if part.layout_id != layout_id or part.new_layout is not None or part.nontensor:
+            return False
+        size = part.layout.frames_nbytes
+        if size > MAX_BATCHED_MESSAGE_BYTES:
+            return False
+        nbytes += size
+        envs.add(row.env)
+    return len(envs) == len(outbox) and nbytes <= MAX_BATCH_BYTES
 
 
 def _may_join(command: Command) -> bool:
