@@ -12,6 +12,7 @@ from workers.inline import (
     FORGIVE_AFTER,
     WAITED_S,
     WAITER_STEP_S,
+    WAITING_SIBLINGS,
     WARMUP_STEPS,
     InlineJudge,
     StepTimes,
@@ -89,3 +90,14 @@ def test_envs_are_judged_apart():
         judge.record(1, CHEAP, True)
     assert judge.waits(0) and judge.cheap(1)
     assert judge.runs_inline(1) and not judge.runs_inline(0)
+
+
+def test_once_envs_of_the_worker_were_judged_to_wait_the_others_keep_their_threads():
+    judge = InlineJudge()
+    for env in range(WAITING_SIBLINGS + 1):  # env 0 cheap, then waiters
+        for _ in range(WARMUP_STEPS):
+            judge.record(env, CHEAP, True)
+        judge.record(env, CHEAP if env == 0 else LONG_WAIT, True)
+    assert judge.runs_inline(0)  # judged cheap: still inline
+    assert judge.unjudged(WAITING_SIBLINGS + 1) and not judge.may_probe()
+    assert not judge.runs_inline(WAITING_SIBLINGS + 1)  # not probed: its thread

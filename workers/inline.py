@@ -16,12 +16,14 @@ nothing). A step that gave up the CPU *waited*, for its wall time less its CPU
 time. A step is *clean* if no env thread had anything to run meanwhile (with
 others stepping, every step waits for the GIL, up to ~10 ms measured).
 
-- A message's commands for env threads are handed to them first; then the
-  others run inline, in order: those of cheap envs, and probes.
-- An env not judged yet steps inline, as a probe (after waiting up to
-  :data:`PROBE_WAIT_S` for the env threads to finish what they run, so that
-  it is clean). Its first :data:`WARMUP_STEPS` are not judged: a first step
-  imports modules and fills caches.
+- An env not judged yet steps inline, as a probe, one a message, before the
+  message's other commands (after waiting up to :data:`PROBE_WAIT_S` for the
+  env threads to finish what they run, so that it is clean); the message's
+  other envs not judged yet go to their threads. Then the commands for env
+  threads are handed to them, then those of cheap envs run inline, in order. Its first :data:`WARMUP_STEPS` are not judged: a first
+  step imports modules and fills caches. Once :data:`WAITING_SIBLINGS` envs
+  of the worker were judged to wait, the worker probes no more: its envs are
+  mostly alike, and the others keep their threads, unjudged.
 - A step that did not wait and took at most :data:`CHEAP_STEP_S` of CPU
   makes the env *cheap*, clean or not: it keeps stepping inline, each step
   judged again.
@@ -32,9 +34,8 @@ others stepping, every step waits for the GIL, up to ~10 ms measured).
   thread for good; so does one whose clean step waited :data:`WAITER_STEP_S`
   or more, or whose unclean step waited :data:`WAITED_S` or more.
 
-What this costs an env that waits: two or three of its steps run inline, each
-holding up the commands that arrive meanwhile (a worker of 16 envs that each
-sleep 50 ms a step loses 0.8 s once). It cannot tell an env that will wait
+What this costs envs that wait: two or three steps of two of them run
+inline, each holding up the commands that arrive meanwhile. It cannot tell an env that will wait
 for another env of the same worker (a rendezvous) if that one was quick
 whenever it was judged: such an env, stepping inline, is held up until its
 wait ends (or forever); ``PoolConfig(inline_cheap_envs=False)`` keeps every
@@ -62,6 +63,8 @@ SHORT_WAIT_S = 0.00005
 WAITED_S = 0.050
 #: Strikes (clean steps that waited, or computed long) that send an env to its thread.
 STRIKES = 2
+#: Envs judged to wait after which a worker probes no other env (they are mostly alike).
+WAITING_SIBLINGS = 2
 #: Cheap steps in a row after which an env's strikes are forgiven (a GC pause is not a wait).
 FORGIVE_AFTER = 100
 
@@ -92,12 +95,21 @@ class InlineJudge:
     def __init__(self) -> None:
         self._verdicts: dict[int, _Verdict] = {}
         self._cheap: set[int] = set()  # the envs judged cheap (and not to wait)
+        self._waiters = 0  # the envs judged to wait
 
     def runs_inline(self, env: int) -> bool:
         """Whether env ``env``'s next command may run inline (its thread being idle):
-        unless it was judged to wait. Not judged yet, it runs inline as a probe."""
+        if it was judged cheap, or, not judged yet, as a probe (see :meth:`may_probe`)."""
+        if env in self._cheap:
+            return True
         verdict = self._verdicts.get(env)
-        return verdict is None or not verdict.waits
+        return (verdict is None or not verdict.waits) and self.may_probe()
+
+    def may_probe(self) -> bool:
+        """Whether an env not judged yet may step inline to be judged: not once
+        :data:`WAITING_SIBLINGS` envs of this worker were judged to wait (a worker's
+        envs are mostly alike: the others then keep their threads, unjudged)."""
+        return self._waiters < WAITING_SIBLINGS
 
     def record(self, env: int, step: StepTimes, clean: bool) -> None:
         """How an inline step of env ``env`` went; ``clean``: no env thread had anything to run."""
@@ -126,6 +138,7 @@ class InlineJudge:
         if out or verdict.strikes >= STRIKES:
             verdict.waits, verdict.cheap = True, False
             self._cheap.discard(env)
+            self._waiters += 1
 
     def unjudged(self, env: int) -> bool:
         """Whether env ``env`` has no verdict yet (a step of it inline is a probe)."""

@@ -508,14 +508,15 @@ class Worker:
             for command in commands:
                 # A COMMANDS is taken apart when its turn comes: its error replies keep their place.
                 rows = self._rows_of(command)
-                # Rows for env threads go first: an env stepping inline then never waits
-                # for one of them to be handed to its thread (each env comes once a message).
-                threaded: list[_Command] = []
-                inline_rows: list[_Command] = []
-                for row in rows:
-                    (threaded if self._goes_to_thread(row) else inline_rows).append(row)
+                # One probe first, while no env thread has anything to run (it is then
+                # judged clean); then the rows for env threads: a cheap env stepping
+                # inline never waits for one of them to be handed to its thread (each
+                # env comes once a message); then the rows of cheap envs, inline.
+                probes, threaded, inline_rows = self._placed(rows)
+                for row in probes:
+                    self._handle_command(row, inline=True)  # an env's command: not a CLOSE
                 for row in threaded:
-                    self._handle_command(row, inline=False)  # not a CLOSE: an env's command
+                    self._handle_command(row, inline=False)
                 for row in inline_rows:
                     if not self._handle_inline(row, inline):
                         return False
@@ -535,17 +536,46 @@ class Worker:
             self._step_s[env] = time.perf_counter() - started
         return True
 
+    def _placed(
+        self, rows: list[_Command]
+    ) -> tuple[list[_Command], list[_Command], list[_Command]]:
+        """A message's rows as: at most one probe, the rows for env threads, the rest
+        (inline: cheap envs', and anything not an env's command), each in order."""
+        probes: list[_Command] = []
+        threaded: list[_Command] = []
+        inline_rows: list[_Command] = []
+        for row in rows:
+            if self._goes_to_thread(row):
+                threaded.append(row)
+            elif self._is_probe(row):
+                (threaded if probes else probes).append(row)  # others not judged: threads
+            else:
+                inline_rows.append(row)
+        return probes, threaded, inline_rows
+
+    def _is_probe(self, command: _Command) -> bool:
+        """Whether a command would step inline an env not judged yet (workers.inline)."""
+        return self._threaded_env(command) and self._judge.unjudged(command.header.env)
+
+    def _threaded_env(self, command: _Command) -> bool:
+        """Whether a command is for a hosted env of a worker with env threads."""
+        return (
+            self.runners is not None
+            and not self._runs_inline()
+            and command.header.command in _ENV_COMMANDS
+            and command.header.env in self.host.envs
+        )
+
     def _goes_to_thread(self, command: _Command) -> bool:
         """Whether a command runs in its env's thread (see :meth:`_execute`)."""
-        if self.runners is None or self._runs_inline():
+        if not self._threaded_env(command):
             return False
-        env = self.host.envs.get(command.header.env)
-        if env is None or command.header.command not in _ENV_COMMANDS:
-            return False
-        if not self.inline_cheap or not self._judge.runs_inline(command.header.env):
+        index = command.header.env
+        if not self.inline_cheap or not self._judge.runs_inline(index):
             return True
+        assert self.runners is not None  # _threaded_env says so
         # Inline only with its thread idle: an env's commands run in the order they came.
-        return not self.runners.runner_for(env, command.header.env).idle()
+        return not self.runners.runner_for(self.host.envs[index], index).idle()
 
     def _rows_of(self, command: _Command) -> list[_Command]:
         """A COMMANDS as one command per row; any other command as it is."""
