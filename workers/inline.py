@@ -20,10 +20,11 @@ others stepping, every step waits for the GIL, up to ~10 ms measured).
   message's other commands (after waiting up to :data:`PROBE_WAIT_S` for the
   env threads to finish what they run, so that it is clean); the message's
   other envs not judged yet go to their threads. Then the commands for env
-  threads are handed to them, then those of cheap envs run inline, in order. Its first :data:`WARMUP_STEPS` are not judged: a first
-  step imports modules and fills caches. Once :data:`WAITING_SIBLINGS` envs
-  of the worker were judged to wait, the worker probes no more: its envs are
-  mostly alike, and the others keep their threads, unjudged.
+  threads are handed to them, then those of cheap envs run inline, in order.
+  An env's first :data:`WARMUP_STEPS` are not judged: a first step imports
+  modules and fills caches. Once :data:`WAITING_SIBLINGS` envs of the worker
+  were judged to wait, the worker probes no more: its envs are mostly alike,
+  and the others keep their threads, unjudged.
 - A step that did not wait and took at most :data:`CHEAP_STEP_S` of CPU
   makes the env *cheap*, clean or not: it keeps stepping inline, each step
   judged again.
@@ -80,7 +81,7 @@ class StepTimes(NamedTuple):
 
 @dataclasses.dataclass
 class _Verdict:
-    """One env's record: its strikes, the cheap steps since the last one, and whether it waits."""
+    """One env's record: its steps timed, strikes, cheap steps since the last, verdicts."""
 
     steps: int = 0
     strikes: int = 0
