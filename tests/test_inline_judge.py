@@ -62,9 +62,10 @@ def test_two_strikes_send_the_env_to_its_thread_and_one_is_forgiven_after_cheap_
 
 def test_a_short_wait_in_a_clean_step_is_not_held_against_it():
     blip = StepTimes(wall_s=0.00025, cpu_s=0.0002, waited=True)  # 50 us: a page fault
-    assert judged((blip, True), (blip, True), (blip, True)).unjudged(0)
-    small_waits = StepTimes(wall_s=0.0005, cpu_s=0.0002, waited=True)  # 300 us: a socket read
-    assert judged((small_waits, True), (small_waits, True)).waits(0)
+    short = StepTimes(wall_s=0.0009, cpu_s=0.0002, waited=True)  # 700 us: the GIL, a read
+    assert judged((blip, True), (short, True), (short, True)).unjudged(0)
+    assert judged((CHEAP, True), (short, True), (short, True)).cheap(0)
+    assert judged((SLEPT, True), (SLEPT, True)).waits(0)  # 2.8 ms, twice: two strikes
 
 
 def test_a_wait_among_busy_env_threads_counts_only_when_long():

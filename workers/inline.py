@@ -28,8 +28,10 @@ others stepping, every step waits for the GIL, up to ~10 ms measured).
 - A step that did not wait and took at most :data:`CHEAP_STEP_S` of CPU
   makes the env *cheap*, clean or not: it keeps stepping inline, each step
   judged again.
-- A clean step that waited :data:`SHORT_WAIT_S` or more, or took more CPU than
-  :data:`CHEAP_STEP_S`, is a strike; so is an unclean one that waited
+- A clean step that waited :data:`CHEAP_STEP_S` or more, or took more CPU than
+  that, is a strike (a shorter wait, a page fault or the GIL taken by the
+  heartbeat thread, is neither: measured, 50 us let cheap envs strike out
+  on a busy machine); so is an unclean one that waited
   :data:`WAITER_STEP_S` or more. An env with :data:`STRIKES` strikes (a strike
   is forgiven after :data:`FORGIVE_AFTER` cheap steps in a row) steps in its
   thread for good; so does one whose clean step waited :data:`WAITER_STEP_S`
@@ -57,7 +59,8 @@ CHEAP_STEP_S = 0.001
 PROBE_WAIT_S = 0.001
 #: A clean step that waited this long sends its env to its thread at once.
 WAITER_STEP_S = 0.010
-#: Less waiting than this in a clean step is not held against it (a page fault, a log line).
+#: A step whose wall time exceeds its CPU time by less than this did not wait (no need
+#: to ask the OS); waits up to CHEAP_STEP_S make a step neither cheap nor a strike.
 SHORT_WAIT_S = 0.00005
 #: A step that waited this long sends its env to its thread even if others stepped
 #: meanwhile (a cheap step among busy env threads was measured at up to 9.6 ms).
@@ -127,8 +130,8 @@ class InlineJudge:
                 verdict.strikes = verdict.cheap_run = 0
             return
         if clean:
-            if waited_s < SHORT_WAIT_S and step.cpu_s <= CHEAP_STEP_S:
-                return  # a page fault, a log line: neither cheap nor a strike
+            if waited_s < CHEAP_STEP_S and step.cpu_s <= CHEAP_STEP_S:
+                return  # a short wait (a page fault, the GIL, a log line): neither
             self._strike(env, verdict, waited_s >= WAITER_STEP_S)
         elif waited_s >= WAITER_STEP_S:  # others stepped too, and held the GIL: only long waits
             self._strike(env, verdict, waited_s >= WAITED_S)
