@@ -249,12 +249,7 @@ def test_a_cheap_env_stepped_inline_that_ends_its_worker_restarts_it_with_trunca
     """With env threads, envs judged cheap step in the worker's main thread
     (workers.inline): env code's SystemExit there ends the worker as in any
     inline worker, and the pool restarts it, answering both envs with truncations."""
-    pool = ZMQAsyncEnvPool(
-        [FatalEnv] * 2,
-        create_env_kwargs=[{"env_id": i} for i in range(2)],
-        envs_per_worker=2,
-        config=QUICK,
-    )
+    pool = two_fatal_envs(QUICK)
     try:
         pool.reset()
         for _ in range(4):  # enough to judge both cheap
@@ -275,6 +270,16 @@ class UnprintableError(ValueError):
         raise RuntimeError("this exception cannot be printed")
 
 
+def two_fatal_envs(config: PoolConfig) -> ZMQAsyncEnvPool:
+    """Two :class:`FatalEnv` s in one worker process (with env threads, the default)."""
+    return ZMQAsyncEnvPool(
+        [FatalEnv] * 2,
+        create_env_kwargs=[{"env_id": i} for i in range(2)],
+        envs_per_worker=2,
+        config=config,
+    )
+
+
 def step(pool, values: list[float]) -> TensorDictBase:
     actions = TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)])
     pool.async_step_send(actions, env_index=list(range(len(values))))
@@ -292,12 +297,7 @@ def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations()
     # Every env in its thread: one judged cheap would step inline (workers.inline),
     # where the same SystemExit ends the worker as any inline crash does.
     threaded = dataclasses.replace(QUICK, inline_cheap_envs=False)
-    pool = ZMQAsyncEnvPool(
-        [FatalEnv] * 2,
-        create_env_kwargs=[{"env_id": i} for i in range(2)],
-        envs_per_worker=2,
-        config=threaded,
-    )
+    pool = two_fatal_envs(threaded)
     try:
         pool.reset()
         assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
