@@ -1188,6 +1188,13 @@ class Target:
     row: str
     label: str
     check: Check
+    #: A throughput target's goal: zmqpool at least this many times ``row``'s steps/s.
+    speedup: float | None = None
+
+
+def speedup_target(scenario: str, row: str, goal: float) -> Target:
+    """zmqpool's steps/s at least ``goal`` times ``row``'s, in ``scenario``."""
+    return Target(scenario, row, f">={goal:g}x", speedup_at_least(row, goal), goal)
 
 
 def speedup_at_least(row: str, goal: float) -> Callable[..., tuple[float, str, bool] | None]:
@@ -1260,17 +1267,17 @@ def latency_within_2x(rows: dict[str, RowResult]) -> tuple[float, str, bool] | N
 #: The issue's targets, one per (scenario, row) cell it is judged on.
 TARGETS = (
     Target("cheap", "zmqpool", "trainer CPU <=100 us/step (min_get=1)", trainer_cpu_at_most(100)),
-    Target("cheap", "torchrl-shm", ">=3x", speedup_at_least("torchrl-shm", 3.0)),
-    Target("cheap", "parallelenv", ">=1.5x", speedup_at_least("parallelenv", 1.5)),
-    Target("cheap", "serial", ">=0.5x", speedup_at_least("serial", 0.5)),
+    speedup_target("cheap", "torchrl-shm", 3.0),
+    speedup_target("cheap", "parallelenv", 1.5),
+    speedup_target("cheap", "serial", 0.5),
     Target(
         "cheap",
         "zmqpool-sync",
         "sync vs ParallelEnv",
         ratio_reported("zmqpool-sync", "parallelenv"),
     ),
-    Target("pixel", "torchrl-shm", ">=3x", speedup_at_least("torchrl-shm", 3.0)),
-    Target("1mib", "torchrl-shm", ">=1.5x", speedup_at_least("torchrl-shm", 1.5)),
+    speedup_target("pixel", "torchrl-shm", 3.0),
+    speedup_target("1mib", "torchrl-shm", 1.5),
     Target("latency", "zmqpool", ">=90% of ideal", ideal_fraction_at_least(0.9)),
     Target("roundtrip", "bare-zmq", "zmqpool latency <=2x", latency_within_2x),
     Target(
@@ -1586,7 +1593,7 @@ def idle_penalty_text(penalty: IdlePenalty) -> str:
 
 def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[str]:
     """Per scale scenario run: the CPUs its envs' own steps need at the ideal rate, cold."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = machine_cpus()
     cold_us = penalty.after_idle_us[IDLE_GAPS_S[-1]]
     lines = []
     for r in results:
@@ -1598,6 +1605,57 @@ def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[st
             f"cold ({cold_us:,.0f} us each), need {need:.2f} of this machine's {cpus} CPUs"
         )
     return lines
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity), which its pools share."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def speedup_budget_text(results: list[RowResult], verdicts: list[dict[str, Any]]) -> list[str]:
+    """Per throughput target missed: the CPU per env-step it leaves the whole pool, against
+    what zmqpool's trainer and workers spent in this run.
+
+    On a machine whose CPUs every process of a pool shares, steps/s can be at
+    most CPUs / (CPU per env-step): a target of ``goal`` times another row's
+    rate is a budget of CPU per env-step for the trainer and its workers
+    together, which the run's own figures either fit or exceed.
+    """
+    cpus = machine_cpus()
+    table = by_scenario(results)
+    goals = {(t.scenario, t.row): t.speedup for t in TARGETS if t.speedup is not None}
+    lines = []
+    for v in verdicts:
+        goal = goals.get((v["scenario"], v["row"]))
+        rows = table.get(v["scenario"], {})
+        ours, other = rows.get(REF), rows.get(v["row"])
+        if goal is None or v["passed"] is not False or ours is None or other is None:
+            continue
+        if not other.steps_per_s or ours.cpu_us_per_step is None:
+            continue
+        needed = goal * other.steps_per_s
+        budget_us = cpus * 1e6 / needed
+        spent = ours.cpu_us_per_step
+        trainer = ours.trainer_cpu_us_per_step or 0.0
+        busy = ours.steps_per_s * spent / (cpus * 1e6)  # the share of the CPUs the row used
+        verdict = "over it" if spent > budget_us else "within it: the row waited, not CPU-bound"
+        lines.append(
+            f"{v['scenario']} {v['target']} {v['row']}: {needed:,.0f} steps/s on {cpus} CPUs "
+            f"leaves at most {budget_us:,.0f} us of CPU per env-step for the trainer and its "
+            f"workers together; zmqpool spent {spent:,.0f} ({trainer:,.0f} in the trainer, "
+            f"{spent - trainer:,.0f} in its workers), {verdict} ({busy:.0%} of the CPUs busy)"
+            f"{_serial_text(rows)}"
+        )
+    return lines
+
+
+def _serial_text(rows: dict[str, RowResult]) -> str:
+    serial = rows.get("serial")
+    if serial is None or serial.cpu_us_per_step is None:
+        return ""
+    return f"; the env's own step, in-process, costs {serial.cpu_us_per_step:,.0f}"
 
 
 # --------------------------------------------------------------------------- zero-copy threshold
@@ -1899,7 +1957,8 @@ def main(argv: list[str] | None = None) -> int:
     all_runs = [run for runs in cells for run in runs]
     for reason in dict.fromkeys(run.skipped for run in all_runs if run.skipped):
         print(f"skipped: {reason}")
-    print("\n" + "\n".join([idle_penalty_text(penalty), *scale_budget_text(results, penalty)]))
+    budgets = [*scale_budget_text(results, penalty), *speedup_budget_text(results, verdicts)]
+    print("\n" + "\n".join([idle_penalty_text(penalty), *budgets]))
     rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
     print(
         f"\n{len(results)} rows{rounds} in {wall_s:.1f} s{per_worker}; targets are informational."

@@ -69,6 +69,8 @@ class Count:
     envs_per_worker: int
     rounds: int
     instructions: int
+    #: "trainer", or "worker STEP" (one worker's commands, counted in-process: --worker)
+    workload: str = "trainer"
 
     @property
     def per_env_step(self) -> float:
@@ -133,6 +135,64 @@ def run_workload(num_envs: int, per_worker: int, rounds: int, handshake: Path | 
     pool.close()
 
 
+def run_worker_workload(command: str, rounds: int, handshake: Path | None) -> None:
+    """One worker's side: ``rounds`` commands handled by ``Worker.handle``, in this process.
+
+    The commands are what a pool sends one env (encoded by the trainer's own
+    encoder), read off a real DEALER-less worker whose replies go out on a
+    real PUSH to a PULL in this process (drained, not decoded, after each
+    round): the worker's decode, its env's step, the encode and the send,
+    with the env's own step (``zmqpool.testing.CountingEnv``) included.
+    """
+    import tempfile as _tempfile
+
+    import torch
+    import zmq
+    from tensordict import TensorDict
+
+    from workers.hosting import EnvHost
+    from workers.loop import Worker
+    from zmqpool.codec import Encoder
+    from zmqpool.testing import CountingEnv
+    from zmqpool.wire import Command, Header, encode_message
+
+    kind = Command[command]
+    folder = _tempfile.mkdtemp(prefix="zmqpool-count-worker-")
+    worker = Worker(f"ipc://{folder}/nobody", b"w0", EnvHost({0: CountingEnv(env_id=0)}))
+    pull = worker.context.socket(zmq.PULL)
+    pull.bind(f"ipc://{folder}/results")
+    worker.push = worker.context.socket(zmq.PUSH)
+    worker.push.connect(f"ipc://{folder}/results")
+    worker.token = b"t" * 16
+    encoder = Encoder()
+
+    def message(command: Command, seq: int, td: TensorDict | None) -> list[bytes]:
+        parts = [] if td is None else [encoder.encode(td)]
+        return [
+            bytes(memoryview(f).cast("B")) for f in encode_message(Header(command, 0, seq), parts)
+        ]
+
+    def handle(frames: list[bytes]) -> None:
+        worker.handle(frames)
+        pull.recv_multipart()  # the reply, so that nothing queues up
+
+    handle(message(Command.RESET, 1, None))
+    action = TensorDict({"action": torch.zeros(1)}, [])
+    commands = [message(kind, seq, action) for seq in range(2, 2 + WARMUP_ROUNDS * 10 + rounds)]
+    for frames in commands[: WARMUP_ROUNDS * 10]:
+        handle(frames)
+    if handshake is not None:
+        (handshake / "ready").write_text(str(os.getpid()))
+        _wait_for(handshake / "go", READY_TIMEOUT_S)
+    for frames in commands[WARMUP_ROUNDS * 10 :]:
+        handle(frames)
+    print(f"done: {rounds} {command} commands", flush=True)
+    if handshake is not None and _pidfd_missing():
+        os._exit(0)
+    pull.close(linger=0)  # ours, in the worker's context: closed before it terminates that
+    worker.close()
+
+
 def _wait_for(path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -144,7 +204,9 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 # ------------------------------------------------------------------ the counting parent
 
 
-def count(source: Path, num_envs: int, per_worker: int, rounds: int) -> Count:
+def count(
+    source: Path, num_envs: int, per_worker: int, rounds: int, worker: str | None = None
+) -> Count:
     """Run the workload on checkout ``source``'s zmqpool under callgrind; count the measured
     rounds. Its workers are ``source``'s too (they are launched from beside its zmqpool)."""
     for tool in ("valgrind", "callgrind_control"):
@@ -169,6 +231,7 @@ def count(source: Path, num_envs: int, per_worker: int, rounds: int) -> Count:
             str(per_worker),
             "--rounds",
             str(rounds),
+            *(["--worker", worker] if worker else []),
         ]
         env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
         with subprocess.Popen(argv, env=env, cwd=tmp) as child:
@@ -181,7 +244,10 @@ def count(source: Path, num_envs: int, per_worker: int, rounds: int) -> Count:
                     child.wait(timeout=30)
             if child.returncode != 0:
                 raise RuntimeError(f"the measured process exited with {child.returncode}")
-        return Count(str(source), num_envs, per_worker, rounds, parse_collected(log.read_text()))
+        instructions = parse_collected(log.read_text())
+        if worker:
+            return Count(str(source), 1, 1, rounds, instructions, f"worker {worker}")
+        return Count(str(source), num_envs, per_worker, rounds, instructions)
 
 
 def _switch_on_when_ready(child: subprocess.Popen, handshake: Path) -> None:
@@ -199,14 +265,18 @@ def _switch_on_when_ready(child: subprocess.Popen, handshake: Path) -> None:
 
 def report(counts: list[Count]) -> str:
     lines = [
-        f"{c.source}: {c.per_env_step:,.0f} instructions per env-step "
-        f"({c.num_envs} envs, {c.envs_per_worker} per worker, {c.rounds} rounds)"
-        for c in counts
+        f"{c.source}: {c.per_env_step:,.0f} instructions per env-step ({_what(c)})" for c in counts
     ]
     if len(counts) == 2:
         ratio = counts[1].per_env_step / counts[0].per_env_step
         lines.append(f"this checkout / baseline: {ratio:.3f} ({ratio - 1:+.1%})")
     return "\n".join(lines)
+
+
+def _what(c: Count) -> str:
+    if c.workload != "trainer":
+        return f"{c.workload}, in-process, {c.rounds} commands"
+    return f"{c.num_envs} envs, {c.envs_per_worker} per worker, {c.rounds} rounds"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,13 +287,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="another checkout, counted first")
     parser.add_argument("--json", type=Path, help="write the counts here")
     parser.add_argument("--dry-run", action="store_true", help="the workload alone, no valgrind")
+    parser.add_argument(
+        "--worker",
+        choices=("STEP", "STEP_AND_MAYBE_RESET"),
+        help="count one worker's handling of this command instead of the trainer",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None or args.dry_run:
-        run_workload(args.num_envs, args.envs_per_worker, args.rounds, args.child)
+        if args.worker:
+            run_worker_workload(args.worker, args.rounds, args.child)
+        else:
+            run_workload(args.num_envs, args.envs_per_worker, args.rounds, args.child)
         return 0
     sources = ([args.baseline.resolve()] if args.baseline else []) + [REPO]
-    counts = [count(s, args.num_envs, args.envs_per_worker, args.rounds) for s in sources]
+    counts = [
+        count(s, args.num_envs, args.envs_per_worker, args.rounds, args.worker) for s in sources
+    ]
     print(report(counts))
     if args.json:
         rows = [{**asdict(c), "per_env_step": c.per_env_step} for c in counts]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 
@@ -271,10 +272,11 @@ class FakeSocket:
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, int]] = []
+        self.copied: list[bool] = []
 
     def send(self, data: bytes, flags: int = 0, copy: bool = True) -> None:
-        assert copy is False
         self.sent.append((data, flags))
+        self.copied.append(copy)
 
     def recv(self, flags: int = 0, copy: bool = True) -> FakeSocket.Frame:
         if not self.sent:
@@ -292,3 +294,15 @@ def test_the_frame_helpers_keep_a_message_whole():
     assert [f.bytes for f in recv_frames(sock)] == [b"next"]  # type: ignore[arg-type]
     with pytest.raises(zmq.Again):
         recv_frames(sock)  # type: ignore[arg-type]
+
+
+def test_small_frames_are_sent_copied_and_large_ones_without_a_copy():
+    """pyzmq copies a frame under its copy threshold anyway: asking for ``copy=False``
+    there only costs more. A large frame, and a large leaf's array, go without a copy."""
+    sock = FakeSocket()
+    small, large = b"h" * 100, b"x" * zmq.COPY_THRESHOLD
+    array = np.zeros(zmq.COPY_THRESHOLD, dtype=np.uint8)
+    frames = [small, memoryview(small), large, memoryview(large), array, np.zeros(4)]
+    send_frames(sock, frames)  # type: ignore[arg-type]
+    assert sock.copied == [True, True, False, False, False, False]
+    assert [flags for _, flags in sock.sent] == [zmq.SNDMORE] * 5 + [0]

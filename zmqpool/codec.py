@@ -195,6 +195,9 @@ class _Flat:
 
 def flatten(td: TensorDictBase) -> _Flat:
     flat = _Flat()
+    if type(td) is TensorDict:  # the usual part, told without an ABC's isinstance (Python code)
+        _walk(td, (), tuple(td.batch_size), flat)
+        return flat
     if not isinstance(td, TensorDictBase):  # a tensorclass part
         td = _unwrap(td, (), flat)
     if isinstance(td, LazyStackedTensorDict) and not isinstance(td, NonTensorStack):

@@ -56,7 +56,8 @@ class EnvIndexer:
         fraction of the cost: its ``env_index`` is the same ``NonTensorStack``.
         """
         self.check_arg(env_index)
-        if isinstance(env_index, Sequence):
+        # type() first: an ABC's isinstance runs Python code, for every send.
+        if type(env_index) is list or isinstance(env_index, Sequence):
             env_index = self.check_indices(list(env_index), tensordict)
             if is_plain_batch(tensordict):
                 self.set_env_index(tensordict, env_index)

@@ -388,16 +388,33 @@ class Ping:
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
-    """``sock.send_multipart(frames, copy=False)`` at half the cost.
+    """``sock.send_multipart(frames)`` at half the cost, copying only the small frames.
 
     ``send_multipart`` first checks every part's type in Python (~3 us a
-    message, measured); these frames are all buffers. Frames under pyzmq's
-    copy threshold are copied all the same; larger ones go without a copy.
+    message, measured); these frames are all buffers. A small frame (bytes or
+    a memoryview under pyzmq's copy threshold) is sent copied: pyzmq copies it
+    anyway, and asking for ``copy=False`` only adds a memoryview and a
+    tracker on the way (measured: a 3-frame message 4.0 against 2.9 us of the
+    sender's CPU, 7.2 against 5.0 with libzmq's I/O thread). Any other frame
+    (a large leaf's array, a large joined frame) goes without a copy.
     """
     last = len(frames) - 1
     send = sock.send
     for i, frame in enumerate(frames):
-        send(frame, zmq.SNDMORE if i < last else 0, copy=False)
+        flags = _SNDMORE if i < last else 0
+        kind = type(frame)
+        small = (kind is bytes and len(frame) < _COPY_THRESHOLD) or (
+            kind is memoryview and frame.nbytes < _COPY_THRESHOLD
+        )
+        if small:
+            send(frame, flags)
+        else:
+            send(frame, flags, copy=False)
+
+
+#: pyzmq's: below it, a "zero-copy" send copies all the same.
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def recv_frames(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 __all__ = ["StepInputSpec", "check_env_indices", "check_step_input"]
 
@@ -49,7 +49,10 @@ def check_env_indices(env_indices: int | Sequence[int] | torch.Tensor, num_envs:
     if isinstance(env_indices, torch.Tensor):
         env_indices = env_indices.tolist()
     items: Any = [env_indices] if _is_index(env_indices) else env_indices
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+    sequence = type(items) is list or (  # type() first: an ABC's isinstance runs Python code
+        not isinstance(items, (str, bytes)) and isinstance(items, Sequence)
+    )
+    if not sequence:
         raise TypeError(f"env indices must be an int or a list of ints, got {env_indices!r}")
     fast = all(type(i) is int for i in items)
     indices: list[int] = list(items) if fast else [_as_index(i) for i in items]
@@ -135,7 +138,8 @@ class StepInputSpec:
                 f"the tensordict's batch size {tuple(td.batch_size)} does not match the "
                 f"{len(indices)} env indices {indices}: its first dim must be {len(indices)}"
             )
-        if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
+        lazy = type(td) is not TensorDict and isinstance(td, LazyStackedTensorDict)
+        if lazy and td.stack_dim == 0:
             self._check_rows(td.tensordicts)  # row by row: no stacking copies
         else:
             for expected in self.expected:
@@ -165,18 +169,47 @@ def _entries(input_spec: Any, group: str, role: str) -> list[Expected]:
 def _check_entry(
     td: TensorDictBase, expected: Expected, lead: tuple[int, ...], strict: bool
 ) -> None:
-    values = _values_at(td, _as_path(expected.key), lead + expected.shape)
-    if values is None:
-        if expected.required:
-            raise ValueError(
-                f"the step input has no {expected.role} {expected.key!r}: expected a "
-                f"{expected.dtype} tensor of shape {lead + expected.shape}"
-            )
-        return
+    path = _as_path(expected.key)
     if not strict or expected.dtype is None:  # a non-tensor entry: present is all we can say
+        if not _present(td, path):
+            _missing(expected, lead)
+        return
+    values = _values_at(td, path, lead + expected.shape)
+    if values is None:
+        _missing(expected, lead)
         return
     for value, want in values:
         _check_value(value, want, expected)
+
+
+def _missing(expected: Expected, lead: tuple[int, ...]) -> None:
+    """Refuse an input without ``expected``, if the envs need it."""
+    if expected.required:
+        raise ValueError(
+            f"the step input has no {expected.role} {expected.key!r}: expected a "
+            f"{expected.dtype} tensor of shape {lead + expected.shape}"
+        )
+
+
+def _present(td: Any, path: tuple[str, ...]) -> bool:
+    """Whether ``td`` has an entry at ``path`` (in every member, across a lazy stack).
+
+    What :func:`_values_at` finds, without getting the entry itself: a check
+    of presence alone (the default) runs for every send, and ``get`` is most
+    of its cost.
+    """
+    node = td
+    last = len(path) - 1
+    for depth, name in enumerate(path):
+        plain = type(node) is TensorDict  # first: an ABC's isinstance runs Python code
+        if not plain and isinstance(node, LazyStackedTensorDict):
+            return all(_present(member, path[depth:]) for member in node.tensordicts)
+        # keys(): what `in` (TensorDictBase.__contains__) asks, without the call in between.
+        if not (plain or isinstance(node, TensorDictBase)) or name not in node.keys():  # noqa: SIM118
+            return False
+        if depth < last:
+            node = node.get(name)
+    return True
 
 
 def _as_path(key: str | tuple[str, ...]) -> tuple[str, ...]:
