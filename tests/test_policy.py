@@ -42,3 +42,30 @@ def test_any_message_is_a_beat_and_forgotten_workers_are_not_judged():
     live.forget("w1")
     live.listening(now=5.5)
     assert live.silent(now=5.5) == []
+
+
+def test_silence_is_told_least_recently_heard_first_whatever_order_the_times_come_in():
+    """silent() stops at the first key still within time: a key heard again goes last,
+    and a time older than the newest one (a drain's, read before) does not reorder them."""
+    live = Liveness(timeout_s=2.0, pause_s=100.0)
+    live.heard("a", now=0.0)
+    live.heard("b", now=1.0)
+    live.heard("c", now=1.5)
+    live.heard("a", now=2.0)  # heard again: now the most recent
+    assert live.silent(now=3.2) == ["b"]
+    live.heard("b", now=1.9)  # a time read before "a"'s: counted as "a"'s, after it
+    assert live.silent(now=3.6) == ["c"]
+    assert live.silent(now=4.1) == ["c", "a", "b"]
+    live.forget("c")
+    assert live.silent(now=4.1) == ["a", "b"]
+
+
+def test_after_a_pause_every_worker_starts_afresh_and_the_order_holds():
+    live = Liveness(timeout_s=1.0, pause_s=1.0)
+    live.heard("a", now=0.0)
+    live.listening(now=0.0)
+    live.heard("b", now=0.5)
+    live.listening(now=10.0)  # the trainer was away: both start at 10
+    live.heard("a", now=10.5)
+    assert live.silent(now=11.2) == ["b"]
+    assert live.silent(now=11.6) == ["b", "a"]

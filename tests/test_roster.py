@@ -72,6 +72,36 @@ def test_a_local_worker_lives_dies_is_respawned_and_its_envs_come_back_fresh():
     assert phases(roster) == ["live"] * 3
 
 
+def test_respawns_due_come_in_worker_order_and_a_respawned_worker_is_no_longer_due():
+    roster = Roster(3, [(0,), (1,), (2,)], [])
+    for index, record in enumerate(roster.local):
+        roster.spawned(record, FakeProcess(index + 10))
+        register(roster, record)
+    assert roster.due(100.0) == [] and roster.next_respawn() == float("inf")
+    third, first = roster.local[2], roster.local[0]
+    for record, at in ((third, 2.0), (first, 3.0)):
+        roster.killing(record, "hung", "")
+        roster.exited(record, "signal 9")
+        roster.respawn_due(record, at=at)
+    assert roster.next_respawn() == 2.0
+    assert roster.due(2.5) == [third] and roster.due(3.0) == [first, third]
+    roster.spawned(third, FakeProcess(20))
+    assert roster.due(10.0) == [first] and roster.next_respawn() == 3.0
+    roster.spawned(first, FakeProcess(21))
+    assert roster.due(10.0) == [] and roster.next_respawn() == float("inf")
+
+
+def test_a_vacant_slot_filled_again_is_not_lost_later():
+    roster = Roster(2, [], [0, 1])
+    worker = roster.take_remote(b"a", "KEY", roster.plan_remote(b"a", "KEY", b"i", 2, None), "")
+    register(roster, worker)
+    roster.vacate(worker, now=0.0, cause="silent")
+    back = roster.take_remote(b"a", "KEY", roster.plan_remote(b"a", "KEY", b"j", 2, None), "")
+    register(roster, back, b"j")
+    assert phases(roster) == ["fresh", "fresh"]
+    assert roster.expired(now=100.0, timeout_s=5.0) == []
+
+
 def test_a_death_the_pool_did_not_cause_keeps_its_own_cause_and_a_crash_loop_is_lost():
     roster = Roster(1, [(0,)], [])
     (record,) = roster.local

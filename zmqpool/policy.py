@@ -68,11 +68,20 @@ class Liveness:
     def __init__(self, timeout_s: float, pause_s: float) -> None:
         self.timeout_s = timeout_s
         self.pause_s = pause_s
+        # Least recently heard first (each key moved to the end when heard, its time never
+        # before the previous one's), so silent() stops at the first one still within time:
+        # it runs at every pump, and need not look at every worker.
         self._last_heard: dict[Hashable, float] = {}
+        self._newest = float("-inf")
         self._last_listened: float | None = None
 
     def heard(self, key: Hashable, now: float) -> None:
-        self._last_heard[key] = now
+        # Callers pass a time read a little earlier (a drain's): never before the newest, so
+        # the order holds; the difference is microseconds against a timeout of seconds.
+        now = self._newest = max(now, self._newest)
+        last_heard = self._last_heard
+        last_heard.pop(key, None)
+        last_heard[key] = now
 
     def forget(self, key: Hashable) -> None:
         self._last_heard.pop(key, None)
@@ -80,9 +89,16 @@ class Liveness:
     def listening(self, now: float) -> None:
         """The pool is polling again; after a pause, give every worker a fresh start."""
         if self._last_listened is not None and now - self._last_listened > self.pause_s:
-            for key in self._last_heard:
+            for key in self._last_heard:  # every time becomes now (none is later): in order
                 self._last_heard[key] = max(self._last_heard[key], now)
+            self._newest = max(self._newest, now)
         self._last_listened = now
 
     def silent(self, now: float) -> list[Hashable]:
-        return [k for k, t in self._last_heard.items() if now - t > self.timeout_s]
+        """The keys not heard for more than ``timeout_s``, least recently heard first."""
+        silent = []
+        for key, heard_at in self._last_heard.items():
+            if now - heard_at <= self.timeout_s:
+                break  # every later key was heard after this one
+            silent.append(key)
+        return silent

@@ -149,6 +149,11 @@ class Roster:
         self.batching = False
         #: The envs given up on (see :meth:`lose`) and not taken up again since.
         self.lost: set[int] = set()
+        # The local workers made RESPAWN_DUE (and maybe respawned since), by worker index,
+        # and the remote envs made vacant (and maybe filled since): what due(), next_respawn()
+        # and expired(), which run at every pump, look at instead of every worker or slot.
+        self._respawns: dict[int, WorkerRecord] = {}
+        self._vacant: dict[int, EnvRecord] = {}
 
     # ------------------------------------------------------------ lookups
 
@@ -203,12 +208,29 @@ class Roster:
 
     def respawn_due(self, record: WorkerRecord, at: float) -> None:
         record.phase, record.respawn_at = WorkerPhase.RESPAWN_DUE, at
+        assert record.local_index is not None, "only local workers are respawned"
+        self._respawns[record.local_index] = record
 
     def due(self, now: float) -> list[WorkerRecord]:
-        return [w for w in self.local if w.phase is WorkerPhase.RESPAWN_DUE and w.respawn_at <= now]
+        """The local workers whose respawn is due at ``now``, by worker index."""
+        if not self._respawns:  # the usual pump: nothing to look at
+            return []
+        self._forget_respawned()
+        return [
+            self._respawns[i] for i in sorted(self._respawns) if self._respawns[i].respawn_at <= now
+        ]
 
     def next_respawn(self) -> float:
-        return min((w.respawn_at for w in self.local), default=float("inf"))
+        """When the next respawn is due (``inf``: none is)."""
+        if not self._respawns:
+            return float("inf")
+        self._forget_respawned()
+        return min((w.respawn_at for w in self._respawns.values()), default=float("inf"))
+
+    def _forget_respawned(self) -> None:
+        for index, record in list(self._respawns.items()):
+            if record.phase is not WorkerPhase.RESPAWN_DUE:
+                del self._respawns[index]
 
     # ------------------------------------------------------------ registration
 
@@ -348,12 +370,21 @@ class Roster:
         record.phase = WorkerPhase.VACANT
         for index in record.envs:
             self.envs[index].vacant_since = now
+            if index in self.remote_indices:  # what expired() reports: remote slots only
+                self._vacant[index] = self.envs[index]
 
     def expired(self, now: float, timeout_s: float) -> list[int]:
         """Remote envs vacant longer than ``timeout_s`` (each reported once)."""
+        if not self._vacant:  # the usual pump: no remote slot is vacant
+            return []
         late = []
-        for env in (self.envs[i] for i in self.remote_indices):  # runs every pump: remote only
-            if env.vacant_since is not None and now - env.vacant_since > timeout_s:
+        for index in sorted(self._vacant):  # in slot order, as every remote slot was looked at
+            env = self._vacant[index]
+            if env.vacant_since is None:  # filled again since
+                del self._vacant[index]
+                continue
+            if now - env.vacant_since > timeout_s:
+                del self._vacant[index]
                 env.vacant_since = None
                 late.append(env.index)
                 if env.holder is not None and env.holder.phase is WorkerPhase.VACANT:

@@ -39,6 +39,11 @@ from zmqpool.state import Ledger, Pending
 
 log = logging.getLogger("zmqpool")
 
+#: How often, at most, the envs' requests in flight are checked against
+#: ``PoolConfig.step_timeout_s`` (or a tenth of it, if shorter): the check
+#: looks at every env, and pumps come far oftener than that with many envs.
+DEADLINE_CHECK_S = 0.01
+
 #: Sends a recorded request (again) to the worker that hosts its env now.
 Dispatch = Callable[[int, Pending], None]
 
@@ -73,6 +78,7 @@ class Supervisor:
             config.restart_backoff_s,
             config.restart_backoff_max_s,
         )
+        self._next_deadline_check = float("-inf")
 
     # ------------------------------------------------------------ events
 
@@ -180,10 +186,12 @@ class Supervisor:
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.step_timeout_s
-        if timeout is None:
+        if timeout is None or now < self._next_deadline_check:
             return
-        # Runs every pump over every env: the cheap lateness test comes first.
-        for slot in self.ledger.slots:
+        # A look at every env, so not at every pump: at most every DEADLINE_CHECK_S (a
+        # hang is then seen that much later at most: milliseconds, against a timeout).
+        self._next_deadline_check = now + min(DEADLINE_CHECK_S, timeout / 10)
+        for slot in self.ledger.slots:  # the cheap lateness test first
             if not slot.in_flight or now - slot.in_flight[0].sent_at <= timeout:
                 continue
             env = self.roster.envs[slot.index]
