@@ -342,3 +342,30 @@ def test_the_idle_penalty_is_measured_and_each_scale_row_gets_its_cpu_budget(qui
         f"scale16: at the ideal 320 steps/s the envs' own steps, cold ({cold:,.0f} us each), "
         f"need {320 * cold / 1e6:.2f} of this machine's {len(os.sched_getaffinity(0))} CPUs"
     ]
+
+
+def test_a_missed_throughput_target_gets_the_cpu_budget_it_leaves(monkeypatch):
+    """3x a 1,000 steps/s reference on 2 CPUs is 667 us per env-step for the whole pool:
+    a row spending 900 is over it; a missed target whose row spent less waited."""
+    bench = load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "machine_cpus", lambda: 2)
+    shm = dataclasses.replace(a_run(bench, 1_000.0), row="torchrl-shm")
+    serial = dataclasses.replace(a_run(bench, 6_000.0), row="serial", cpu_us_per_step=150.0)
+    ours = a_run(bench, 2_000.0, cpu_us_per_step=900.0, trainer_cpu_us_per_step=300.0)
+    results = [ours, shm, serial]
+    lines = bench.speedup_budget_text(results, bench.judge(results))
+    assert lines == [
+        "cheap >=3x torchrl-shm: 3,000 steps/s on 2 CPUs leaves at most 667 us of CPU per "
+        "env-step for the trainer and its workers together; zmqpool spent 900 (300 in the "
+        "trainer, 600 in its workers), over it (90% of the CPUs busy); the env's own step, "
+        "in-process, costs 150",
+        "cheap >=0.5x serial: 3,000 steps/s on 2 CPUs leaves at most 667 us of CPU per "
+        "env-step for the trainer and its workers together; zmqpool spent 900 (300 in the "
+        "trainer, 600 in its workers), over it (90% of the CPUs busy); the env's own step, "
+        "in-process, costs 150",
+    ]
+    waiting = dataclasses.replace(ours, cpu_us_per_step=500.0)
+    (line, _) = bench.speedup_budget_text([waiting, shm, serial], bench.judge(results))
+    assert "within it: the row waited, not CPU-bound (50% of the CPUs busy)" in line
+    passed = dataclasses.replace(ours, steps_per_s=3_100.0)
+    assert bench.speedup_budget_text([passed, shm], bench.judge([passed, shm])) == []

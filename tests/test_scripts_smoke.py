@@ -26,6 +26,15 @@ def test_count_instructions_runs_its_workload_without_valgrind():
     assert "done: 3 rounds of 2 env-steps" in done.stdout
 
 
+@pytest.mark.parametrize("command", ["STEP", "STEP_AND_MAYBE_RESET"])
+def test_count_instructions_runs_a_workers_workload_without_valgrind(command):
+    argv = [sys.executable, "scripts/count_instructions.py", "--dry-run", "--worker", command]
+    argv += ["--rounds", "5"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"done: 5 {command} commands" in done.stdout
+
+
 def test_count_instructions_reads_callgrinds_count_and_refuses_a_log_without_one():
     sys.path.insert(0, "scripts")
     try:
