@@ -8,8 +8,8 @@ is in ``tests/test_env_threads.py``.
 from __future__ import annotations
 
 from workers.inline import (
-    CHEAP_STEP_S,
     FORGIVE_AFTER,
+    HEAVY_STEP_S,
     WAITED_S,
     WAITER_STEP_S,
     WAITING_SIBLINGS,
@@ -23,7 +23,7 @@ CHEAP = StepTimes(wall_s=0.0002, cpu_s=0.0002, waited=False)
 PREEMPTED = StepTimes(wall_s=0.004, cpu_s=0.0002, waited=False)
 SLEPT = StepTimes(wall_s=0.003, cpu_s=0.0002, waited=True)  # waited, but under WAITER_STEP_S
 LONG_WAIT = StepTimes(wall_s=WAITER_STEP_S + 0.001, cpu_s=0.0002, waited=True)
-LONG_COMPUTE = StepTimes(wall_s=0.005, cpu_s=CHEAP_STEP_S * 5, waited=False)
+LONG_COMPUTE = StepTimes(wall_s=0.005, cpu_s=HEAVY_STEP_S * 2.5, waited=False)
 
 
 def judged(*steps: tuple[StepTimes, bool]) -> InlineJudge:
@@ -102,3 +102,13 @@ def test_once_envs_of_the_worker_were_judged_to_wait_the_others_keep_their_threa
     assert judge.runs_inline(0)  # judged cheap: still inline
     assert judge.unjudged(WAITING_SIBLINGS + 1) and not judge.may_probe()
     assert not judge.runs_inline(WAITING_SIBLINGS + 1)  # not probed: its thread
+
+
+def test_a_step_that_only_computed_up_to_heavy_step_s_is_cheap_and_longer_strikes():
+    # The cheapest env's own step, run after 20 ms asleep on a slow day, took up to
+    # 1.06 ms of CPU: a bar of 1 ms struck such envs out.
+    cold = StepTimes(wall_s=0.0016, cpu_s=HEAVY_STEP_S * 0.75, waited=False)
+    assert judged((cold, True), (cold, True), (cold, True)).cheap(0)
+    heavy = StepTimes(wall_s=0.003, cpu_s=HEAVY_STEP_S * 1.25, waited=False)
+    assert judged((heavy, True), (heavy, True)).waits(0)  # two strikes: its thread
+    assert judged((heavy, False), (heavy, False)).unjudged(0)  # unclean: never held against it

@@ -49,3 +49,17 @@ def test_count_instructions_reads_callgrinds_count_and_refuses_a_log_without_one
     assert round(counted.per_env_step) == 238724
     with pytest.raises(RuntimeError, match="no count"):
         count_instructions.parse_collected("==7== valgrind: fatal error\n")
+
+
+def test_judge_bar_steps_two_computing_envs_each_way(capsys):
+    # In this process: its pools share the fork server the other tests' pools use.
+    sys.path.insert(0, "scripts")
+    try:
+        import judge_bar
+    finally:
+        sys.path.remove("scripts")
+    judge_bar.main(["--sizes", "32x1", "--repeats", "1", "--rounds", "3"])
+    shown = capsys.readouterr().out
+    assert shown.startswith("32x1, ") and shown.count(" steps/s") == 1
+    for config in ("threads", "judged", "inline"):
+        assert f" {config} " in shown

@@ -25,13 +25,14 @@ others stepping, every step waits for the GIL, up to ~10 ms measured).
   modules and fills caches. Once :data:`WAITING_SIBLINGS` envs of the worker
   were judged to wait, the worker probes no more: its envs are mostly alike,
   and the others keep their threads, unjudged.
-- A step that did not wait and took at most :data:`CHEAP_STEP_S` of CPU
+- A step that did not wait and took at most :data:`HEAVY_STEP_S` of CPU
   makes the env *cheap*, clean or not: it keeps stepping inline, each step
-  judged again.
-- A clean step that waited :data:`CHEAP_STEP_S` or more, or took more CPU than
-  that, is a strike (a shorter wait, a page fault or the GIL taken by the
-  heartbeat thread, is neither: measured, 50 us let cheap envs strike out
-  on a busy machine); so is an unclean one that waited
+  judged again. What is timed is the env's own work: the reply's encoding
+  and sending cost the same in any thread.
+- A clean step that waited :data:`STRIKE_WAIT_S` or more, or took more CPU
+  than :data:`HEAVY_STEP_S`, is a strike (a shorter wait, a page fault or
+  the GIL taken by the heartbeat thread, is neither: measured, 50 us let
+  cheap envs strike out on a busy machine); so is an unclean one that waited
   :data:`WAITER_STEP_S` or more. An env with :data:`STRIKES` strikes (a strike
   is forgiven after :data:`FORGIVE_AFTER` cheap steps in a row) steps in its
   thread for good; so does one whose clean step waited :data:`WAITER_STEP_S`
@@ -53,14 +54,22 @@ from typing import NamedTuple
 
 #: An env's first steps inline are not judged (the first imports modules, fills caches).
 WARMUP_STEPS = 1
-#: A step of at most this much CPU that never waited is cheap enough to run inline.
-CHEAP_STEP_S = 0.001
+#: A step of at most this much CPU that never waited is cheap enough to run inline; one
+#: that computes longer gains from a thread (torch ops release the GIL, so a worker's
+#: heavy envs compute in parallel). Measured (docs/PERFORMANCE.md, session 29), 2 envs
+#: of one worker: computing 1.6 ms a step, 1.4-1.8x the steps/s in threads (and judged
+#: so at this bar); 0.55 ms, no difference beyond the noise. The cheapest env's own step
+#: (a CountingEnv) run after 20 ms asleep on a slow day took up to 1.06 ms of CPU
+#: (1.65 ms with its reply): a bar of 1 ms struck such envs out.
+HEAVY_STEP_S = 0.002
+#: A clean step that waited this long is a strike (a shorter wait is a page fault, the GIL).
+STRIKE_WAIT_S = 0.001
 #: How long a probe waits for the env threads to finish what they run before it steps.
 PROBE_WAIT_S = 0.001
 #: A clean step that waited this long sends its env to its thread at once.
 WAITER_STEP_S = 0.010
 #: A step whose wall time exceeds its CPU time by less than this did not wait (no need
-#: to ask the OS); waits up to CHEAP_STEP_S make a step neither cheap nor a strike.
+#: to ask the OS); waits up to STRIKE_WAIT_S make a step neither cheap nor a strike.
 SHORT_WAIT_S = 0.00005
 #: A step that waited this long sends its env to its thread even if others stepped
 #: meanwhile (a cheap step among busy env threads was measured at up to 9.6 ms).
@@ -122,7 +131,7 @@ class InlineJudge:
         if verdict.waits or verdict.steps <= WARMUP_STEPS:  # judged for good, or warming up
             return  # (a first step imports modules, fills caches: it says nothing)
         waited_s = step.wall_s - step.cpu_s if step.waited else 0.0
-        if not step.waited and step.cpu_s <= CHEAP_STEP_S:  # clean or not: it only computed
+        if not step.waited and step.cpu_s <= HEAVY_STEP_S:  # clean or not: it only computed
             verdict.cheap = True
             self._cheap.add(env)
             verdict.cheap_run += 1
@@ -130,7 +139,7 @@ class InlineJudge:
                 verdict.strikes = verdict.cheap_run = 0
             return
         if clean:
-            if waited_s < CHEAP_STEP_S and step.cpu_s <= CHEAP_STEP_S:
+            if waited_s < STRIKE_WAIT_S and step.cpu_s <= HEAVY_STEP_S:
                 return  # a short wait (a page fault, the GIL, a log line): neither
             self._strike(env, verdict, waited_s >= WAITER_STEP_S)
         elif waited_s >= WAITER_STEP_S:  # others stepped too, and held the GIL: only long waits

@@ -684,21 +684,34 @@ class Worker:
         return True
 
     def _run_judged(self, header: Header, td: Any, clean: bool) -> None:
-        """:meth:`_run` inline, timed, for the judge of which envs step inline."""
+        """:meth:`_run` inline, the env's own work timed for the judge of which envs
+        step inline. The reply's encoding and sending are not timed: they cost the same
+        in any thread, and waiting for the encoder's lock (held by an env thread) is not
+        the env waiting."""
         switches = _voluntary_switches()
         wall, cpu = time.perf_counter(), time.thread_time()  # after the system call
-        self._run(header, td)
+        out, err = self._outcome(header, td)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         # Ran for its CPU time, give or take a short wait: no need to ask (a system call).
         ran = wall - cpu < SHORT_WAIT_S and switches is not None
         waited = not ran and (switches is None or _voluntary_switches() != switches)
         self._judge.record(header.env, StepTimes(wall, cpu, waited), clean)
+        self._reply(header, out, err)
 
     def _run(self, header: Header, td: Any) -> None:
         """Run one command on its env and send the reply (from an env thread, maybe)."""
+        self._reply(header, *self._outcome(header, td))
+
+    def _outcome(self, header: Header, td: Any) -> tuple[Any, Exception | None]:
+        """Run one command on its env: its output, or the error it raised."""
         try:
-            out = self.host.run(header.command, header.env, td, header.body)
+            return self.host.run(header.command, header.env, td, header.body), None
         except Exception as err:
+            return None, err
+
+    def _reply(self, header: Header, out: Any, err: Exception | None) -> None:
+        """Send a command's reply: its env's output, or the error the env raised."""
+        if err is not None:
             self._send(self._error_reply(header, err))
             return
         with self._encoding:

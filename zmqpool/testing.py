@@ -8,6 +8,8 @@ or on another machine, can import them by name: ``zmqpool.testing:CountingEnv``.
   wrong env or was delivered twice shows in the numbers.
 - :class:`FaultyEnv` misbehaves on purpose at a chosen step: it raises, exits
   the process, or hangs.
+- :class:`MatmulEnv` computes before each step: matrix products, in which
+  torch releases the GIL (what a worker's env threads gain from).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
-__all__ = ["CountingEnv", "FaultyEnv"]
+__all__ = ["CountingEnv", "FaultyEnv", "MatmulEnv"]
 
 
 class CountingEnv(EnvBase):
@@ -167,3 +169,29 @@ class FaultyEnv(CountingEnv):
             self._misbehave()
             self.count -= 1
         return super()._step(tensordict)
+
+
+class MatmulEnv(CountingEnv):
+    """A :class:`CountingEnv` whose step first takes ``products`` products of a
+    random ``side`` x ``side`` matrix (each ``tanh``-squashed, so they stay finite).
+
+    Torch releases the GIL in each product, so such envs of one worker compute in
+    parallel in their threads (see ``scripts/judge_bar.py``).
+    """
+
+    def __init__(self, env_id: int = 0, side: int = 64, products: int = 1, **kwargs) -> None:
+        super().__init__(env_id=env_id, **kwargs)
+        self.matrix = torch.randn(side, side)
+        self.products = products
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        matrix_products(self.matrix, self.products)
+        return super()._step(tensordict)
+
+
+def matrix_products(matrix: torch.Tensor, products: int) -> torch.Tensor:
+    """``products`` products of ``matrix`` with itself, each ``tanh``-squashed."""
+    out = matrix
+    for _ in range(products):
+        out = (out @ matrix).tanh_()
+    return out
