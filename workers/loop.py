@@ -755,7 +755,9 @@ class Worker:
         text = _safe_repr(err)
         log.warning("env %d: %s: %s", header.env, what, text)
         kind = FailureKind.PROTOCOL if malformed else FailureKind.ENV  # ENV may restart the worker
-        body = Failed.clipped(f"{what}: {text}", traceback.format_exc(), kind).to_body()
+        # From the error itself: the reply may be made after its except block has ended.
+        trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        body = Failed.clipped(f"{what}: {text}", trace, kind).to_body()
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:
