@@ -7,10 +7,10 @@ steps compute for long run in parallel in their threads; short ones only pay
 the threads' hand-offs. This measures both sides of the bar on this machine:
 one worker of two :class:`~zmqpool.testing.MatmulEnv`, whose step multiplies
 a matrix (``--sizes``: the matrix's side and how many products a step
-takes), stepped together
-(``min_get=2``) with every env in its thread (``inline_cheap_envs=False``),
-as judged (the default) and inline (``env_threads=False``), the three
-alternated ``--repeats`` times, steps/s each.
+takes), stepped together (``min_get=2``) with every env in its thread
+(``inline_cheap_envs=False``), as judged (the default) and inline
+(``env_threads=False``), the three alternated ``--repeats`` times, steps/s
+each.
 
 Example:
     python scripts/judge_bar.py
