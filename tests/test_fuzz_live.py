@@ -741,8 +741,9 @@ def test_joined_commands_run_as_if_each_had_come_alone(tmp_path):
         [batch] = batch_messages([joined_steps(encoder, {0: 2, 1: 3}), seed], -1)
         assert Header.decode(batch[0]).command == Command.BATCH
         assert worker.handle(batch)
-        [message] = worker.push.sent
-        answered = [(h.command, h.env, h.seq) for h in _headers_of(message)]
+        # Usually one message; two if an env's last step took over a millisecond of wall
+        # time (a busy machine), when the replies kept so far go before it runs.
+        answered = [(h.command, h.env, h.seq) for m in worker.push.sent for h in _headers_of(m)]
         assert answered == [(Command.RESULT, 0, 2), (Command.RESULT, 1, 3), (Command.RESULT, 0, 3)]
     finally:
         worker.close()
