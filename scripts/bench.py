@@ -62,7 +62,9 @@ in its own process, back to back and after sleeping 1 ms and 50 ms, and
 prints the ratios (the *idle penalty*: what running in short bursts between
 sleeps costs this machine, as every pool's processes do), then, for each
 scale scenario, how many CPUs the envs' own steps need at the ideal rate at
-the cold cost; the JSON's ``meta.idle_penalty`` holds the figures.
+the cold cost, and how many the row's own CPU per env-step (trainer and
+workers, as measured) needs there: the most of the ideal rate this machine
+allows at that cost. The JSON's ``meta.idle_penalty`` holds the figures.
 
 ``--repeat N`` runs the whole plan N times, interleaved: round 1 measures every
 (scenario, row) once in plan order, then round 2 again, and so on, so a row and
@@ -1592,7 +1594,13 @@ def idle_penalty_text(penalty: IdlePenalty) -> str:
 
 
 def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[str]:
-    """Per scale scenario run: the CPUs its envs' own steps need at the ideal rate, cold."""
+    """Per scale scenario run: the CPUs its envs' own steps need at the ideal rate, cold,
+    and those that zmqpool's measured CPU per env-step needs there.
+
+    The first is an estimate from one env's step after a sleep; the second is
+    this run's own figure for the trainer and its workers together, and so
+    the most of the ideal rate these CPUs allow at that cost.
+    """
     cpus = machine_cpus()
     cold_us = penalty.after_idle_us[IDLE_GAPS_S[-1]]
     lines = []
@@ -1603,8 +1611,20 @@ def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[st
         lines.append(
             f"{r.scenario}: at the ideal {r.ideal_steps_per_s:,.0f} steps/s the envs' own steps, "
             f"cold ({cold_us:,.0f} us each), need {need:.2f} of this machine's {cpus} CPUs"
+            f"{_measured_need_text(r, cpus)}"
         )
     return lines
+
+
+def _measured_need_text(row: RowResult, cpus: int) -> str:
+    """What the row's own CPU per env-step needs at its ideal rate, and the share it allows."""
+    if not row.cpu_us_per_step or not row.ideal_steps_per_s:
+        return ""
+    need = row.ideal_steps_per_s * row.cpu_us_per_step / 1e6
+    return (
+        f"; at the {row.cpu_us_per_step:,.0f} us of CPU per env-step zmqpool's trainer and "
+        f"workers spent, {need:.2f}: at most {min(1.0, cpus / need):.0%} of ideal here"
+    )
 
 
 def machine_cpus() -> int:

@@ -335,12 +335,46 @@ def test_the_idle_penalty_is_measured_and_each_scale_row_gets_its_cpu_budget(qui
     assert set(penalty["after_idle_us"]) == {"0.001", "0.05"}
     assert all(us > 0 for us in penalty["after_idle_us"].values())
     assert "idle penalty: a CountingEnv step here takes" in proc.stdout
-    # --quick --scale runs scale16 only: one budget line, from the 50 ms figure.
+    # --quick --scale runs scale16 only: one budget line, from the 50 ms figure and from
+    # the row's own CPU per env-step.
     budget = [line for line in proc.stdout.splitlines() if line.startswith("scale")]
     cold = penalty["after_idle_us"]["0.05"]
+    cpus = len(os.sched_getaffinity(0))
+    spent = cells_of(out)[("scale16", "zmqpool")]["cpu_us_per_step"]
+    need = 320 * spent / 1e6
     assert budget == [
         f"scale16: at the ideal 320 steps/s the envs' own steps, cold ({cold:,.0f} us each), "
-        f"need {320 * cold / 1e6:.2f} of this machine's {len(os.sched_getaffinity(0))} CPUs"
+        f"need {320 * cold / 1e6:.2f} of this machine's {cpus} CPUs; at the {spent:,.0f} us of "
+        f"CPU per env-step zmqpool's trainer and workers spent, {need:.2f}: at most "
+        f"{min(1.0, cpus / need):.0%} of ideal here"
+    ]
+
+
+def test_a_scale_row_s_own_cpu_per_env_step_bounds_its_share_of_ideal(monkeypatch):
+    """512 envs stepping every 50 ms at 273 us of CPU each need 2.80 CPUs: 2 allow 72% of
+    ideal; 128 envs at 539 us need 1.38 (100% allowed); a row without a CPU figure says
+    only the estimate."""
+    bench = load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "machine_cpus", lambda: 2)
+    penalty = bench.IdlePenalty(62.0, {0.001: 86.0, 0.05: 588.0})
+
+    def scale(envs: int, cpu_us: float | None):
+        ideal = envs / 0.05
+        return bench.RowResult(
+            f"scale{envs}", "zmqpool", envs, 16, ideal_steps_per_s=ideal, cpu_us_per_step=cpu_us
+        )
+
+    rows = [scale(512, 273.0), scale(128, 539.0), scale(16, None)]
+    lines = bench.scale_budget_text(rows, penalty)
+    assert lines == [
+        "scale512: at the ideal 10,240 steps/s the envs' own steps, cold (588 us each), need "
+        "6.02 of this machine's 2 CPUs; at the 273 us of CPU per env-step zmqpool's trainer "
+        "and workers spent, 2.80: at most 72% of ideal here",
+        "scale128: at the ideal 2,560 steps/s the envs' own steps, cold (588 us each), need "
+        "1.51 of this machine's 2 CPUs; at the 539 us of CPU per env-step zmqpool's trainer "
+        "and workers spent, 1.38: at most 100% of ideal here",
+        "scale16: at the ideal 320 steps/s the envs' own steps, cold (588 us each), need "
+        "0.19 of this machine's 2 CPUs",
     ]
 
 
