@@ -42,6 +42,9 @@ trainer runs: send an action to every env, then repeatedly
 ``async_step_recv(min_get=1)`` and send new actions to the envs that came
 back. ``parallelenv`` is torchrl's ``ParallelEnv`` stepped synchronously,
 ``zmqpool-sync`` zmqpool's synchronous ``pool.step(td)`` the same way,
+``zmqpool-packed`` (cheap) the ``zmqpool`` row's envs all in one worker process
+(``envs_per_worker=num_envs``; the line under the table sets its CPU per
+env-step and results per recv beside the ``zmqpool`` row's),
 ``zmqpool-inline`` (batch32) zmqpool without env threads (``PoolConfig(env_threads=False)``:
 each worker steps its envs in turn and answers a call's commands in one message),
 ``serial`` the same envs stepped one after another in this process,
@@ -149,10 +152,15 @@ ALL_ROWS = (
     "zmqpool-tcp",
     "zmqpool-sync",
     "zmqpool-inline",
+    "zmqpool-packed",
 )
+#: The row of zmqpool whose envs all live in one worker process (``envs_per_worker=num_envs``).
+PACKED = "zmqpool-packed"
 POOL_ROWS = ALL_ROWS[:5]
 #: Rows that run :class:`AsyncLoop` (or the cartpole loop): their ticks are recvs.
-ASYNC_ROWS = frozenset({"zmqpool", "torchrl-queue", "torchrl-shm", "zmqpool-tcp", "zmqpool-inline"})
+ASYNC_ROWS = frozenset(
+    {"zmqpool", "torchrl-queue", "torchrl-shm", "zmqpool-tcp", "zmqpool-inline", PACKED}
+)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -232,7 +240,7 @@ def build_scenarios(quick: bool) -> dict[str, Scenario]:
     """
     pixel = (3, 16, 16) if quick else (3, 84, 84)
     big = (16_384,) if quick else (262_144,)
-    cheap_rows = (*POOL_ROWS, "zmqpool-sync", "zmqpool-tcp", "gym-async", "gym-serial")
+    cheap_rows = (*POOL_ROWS, "zmqpool-sync", "zmqpool-tcp", PACKED, "gym-async", "gym-serial")
     scenarios = [
         Scenario("cheap", (4,), cheap_rows),
         Scenario("pixel", pixel, POOL_ROWS, obs_dtype=torch.uint8),
@@ -279,6 +287,7 @@ QUICK_ROWS: dict[str, tuple[str, ...]] = {
         "parallelenv",
         "serial",
         "zmqpool-sync",
+        PACKED,
         "gym-async",
         "gym-serial",
     ),
@@ -502,6 +511,23 @@ def zmqpool_inline_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextM
     num_envs = sc.envs(cfg)
     make = partial(make_zmqpool, sc, num_envs, envs_per_worker=sc.per_worker(cfg), config=config)
     return async_pool_row(make, num_envs, cfg, sc.min_get, sc.mdp)
+
+
+def zmqpool_packed_row(sc: Scenario, cfg: Config) -> contextlib.AbstractContextManager[Tick]:
+    """zmqpool's async loop with every env in one worker process (defaults otherwise).
+
+    The same envs and loop as the ``zmqpool`` row, which hosts one env per
+    worker as torchrl's pools do: beside it, what a message's fixed costs (a
+    worker's wake-up, its reads and sends, a recv's call) weigh in a cheap step.
+    """
+    num_envs = sc.envs(cfg)
+    make = partial(make_zmqpool, sc, num_envs, envs_per_worker=num_envs)
+    return async_pool_row(make, num_envs, cfg, sc.min_get, sc.mdp)
+
+
+def row_envs_per_worker(sc: Scenario, row: str, cfg: Config) -> int:
+    """Envs per worker process of ``row`` in ``sc`` (the packed row: all of them)."""
+    return sc.envs(cfg) if row == PACKED else sc.per_worker(cfg)
 
 
 def torchrl_pool_row(
@@ -781,6 +807,7 @@ ROWS: dict[str, RowFn] = {
     "zmqpool-tcp": partial(zmqpool_tcp_row, tcp_kwargs={"local_transport": "tcp"}),
     "zmqpool-sync": zmqpool_sync_row,
     "zmqpool-inline": zmqpool_inline_row,
+    PACKED: zmqpool_packed_row,
 }
 
 
@@ -1034,7 +1061,8 @@ def run_row(sc: Scenario, row: str, cfg: Config, done: list[RowResult] | None = 
 
     ``done``: the rows run so far (a scale row estimates its memory from them).
     """
-    result = RowResult(sc.name, row, sc.envs(cfg), sc.payload_bytes, sc.per_worker(cfg))
+    envs_per_worker = row_envs_per_worker(sc, row, cfg)
+    result = RowResult(sc.name, row, sc.envs(cfg), sc.payload_bytes, envs_per_worker)
     result.skipped = fd_skip_reason(sc, row, cfg) or memory_skip_reason(sc, row, cfg, done or [])
     if result.skipped:
         return result
@@ -1288,6 +1316,7 @@ TARGETS = (
         "trainer CPU <=30 us/step (>=32 results/recv)",
         trainer_cpu_at_most(30, min_results=32),
     ),
+    Target("cheap", PACKED, "envs in one worker", ratio_reported(PACKED, REF)),
     Target("cartpole", "gym-async", "same CartPole-v1", ratio_reported(REF, "gym-async")),
     Target("mdp", "torchrl-shm", "step_mdp loop", ratio_reported(REF, "torchrl-shm")),
     *(
@@ -1331,11 +1360,14 @@ def extra_text(r: RowResult, sc: Scenario | None = None) -> str:
         parts.append(f"{r.steps_per_s / r.ideal_steps_per_s:.0%} of ideal")
     if r.median_latency_us is not None:
         parts.append(f"median {r.median_latency_us:,.1f} us")
-    if r.results_per_recv is not None and (sc is None or sc.min_get > 1 or sc.scale):
+    packed = r.row == PACKED
+    if r.results_per_recv is not None and (sc is None or sc.min_get > 1 or sc.scale or packed):
         min_get = sc.min_get if sc else 1
         parts.append(f"{r.results_per_recv:.1f} results/recv (min_get={min_get})")
-    if sc is not None and sc.scale:
+    scale = sc is not None and sc.scale
+    if packed or scale:
         parts.append(f"{r.envs_per_worker} envs/worker")
+    if scale:
         parts.append(f"start-up {r.construct_s:.1f} s")
         if r.close_s is not None:
             parts.append(f"close {r.close_s:.1f} s")
@@ -1671,6 +1703,36 @@ def speedup_budget_text(results: list[RowResult], verdicts: list[dict[str, Any]]
     return lines
 
 
+def packing_text(results: list[RowResult]) -> list[str]:
+    """Per scenario with a packed row: its figures beside the one-env-per-worker row's.
+
+    The same envs and loop, hosted by one worker process instead of one each:
+    what is left of each figure when a worker's messages carry several envs'
+    steps.
+    """
+    lines = []
+    for scenario, rows in by_scenario(results).items():
+        ours, packed = rows.get(REF), rows.get(PACKED)
+        if ours is None or packed is None or not ours.steps_per_s or not packed.steps_per_s:
+            continue
+        lines.append(
+            f"{scenario}: its {packed.num_envs} envs in one worker process ({PACKED}) ran "
+            f"{packed.steps_per_s:,.0f} steps/s, {packed.steps_per_s / ours.steps_per_s:.2f}x "
+            f"{REF} with {ours.envs_per_worker} per worker, at {_cpu_and_recvs(packed)} of CPU "
+            f"per env-step against {_cpu_and_recvs(ours)}"
+        )
+    return lines
+
+
+def _cpu_and_recvs(r: RowResult) -> str:
+    """``395 us (155 in the trainer, 2.2 results/recv)``; ``? us`` without CPU figures."""
+    if r.cpu_us_per_step is None or r.trainer_cpu_us_per_step is None:
+        return "? us"
+    per_recv = f", {r.results_per_recv:.1f} results/recv" if r.results_per_recv else ""
+    trainer = f"{r.trainer_cpu_us_per_step:,.0f} in the trainer{per_recv}"
+    return f"{r.cpu_us_per_step:,.0f} us ({trainer})"
+
+
 def _serial_text(rows: dict[str, RowResult]) -> str:
     serial = rows.get("serial")
     if serial is None or serial.cpu_us_per_step is None:
@@ -1977,7 +2039,11 @@ def main(argv: list[str] | None = None) -> int:
     all_runs = [run for runs in cells for run in runs]
     for reason in dict.fromkeys(run.skipped for run in all_runs if run.skipped):
         print(f"skipped: {reason}")
-    budgets = [*scale_budget_text(results, penalty), *speedup_budget_text(results, verdicts)]
+    budgets = [
+        *scale_budget_text(results, penalty),
+        *speedup_budget_text(results, verdicts),
+        *packing_text(results),
+    ]
     print("\n" + "\n".join([idle_penalty_text(penalty), *budgets]))
     rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
     print(

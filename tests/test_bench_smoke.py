@@ -39,6 +39,7 @@ QUICK_TARGETS = {
     ("cheap", "parallelenv", ">=1.5x"),
     ("cheap", "serial", ">=0.5x"),
     ("cheap", "zmqpool-sync", "sync vs ParallelEnv"),
+    ("cheap", "zmqpool-packed", "envs in one worker"),
     ("latency", "zmqpool", ">=90% of ideal"),
     ("roundtrip", "bare-zmq", "zmqpool latency <=2x"),
     ("batch32", "zmqpool", "trainer CPU <=30 us/step (>=32 results/recv)"),
@@ -114,7 +115,12 @@ def test_ratios_and_targets_are_computed(quick_run):
     for target in report["targets"]:
         assert target["value"] is not None, target
         # A ratio the issue asks to report without a goal has ``passed`` None.
-        reported = target["target"] in ("sync vs ParallelEnv", "same CartPole-v1", "step_mdp loop")
+        reported = target["target"] in (
+            "sync vs ParallelEnv",
+            "envs in one worker",
+            "same CartPole-v1",
+            "step_mdp loop",
+        )
         assert target["passed"] in ((None,) if reported else (True, False)), target
 
 
@@ -127,6 +133,12 @@ def test_new_rows_report_what_the_issue_asks(quick_run):
     assert batch["num_envs"] == 64 and batch["envs_per_worker"] == 16, batch
     assert batch["results_per_recv"] >= 32, batch
     assert cells[("cheap", "zmqpool")]["results_per_recv"] >= 1
+    packed = cells[("cheap", "zmqpool-packed")]
+    assert packed["envs_per_worker"] == packed["num_envs"] == 2, packed  # --quick: 2 envs
+    assert packed["results_per_recv"] >= 1 and packed["trainer_cpu_us_per_step"] > 0, packed
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("cheap: its 2 envs")]
+    assert "in one worker process (zmqpool-packed)" in line
+    assert "x zmqpool with 1 per worker" in line, line
     assert "results/recv (min_get=32)" in proc.stdout
     for row in ("zmqpool", "torchrl-shm"):
         r = cells[("scale16", row)]
@@ -403,3 +415,34 @@ def test_a_missed_throughput_target_gets_the_cpu_budget_it_leaves(monkeypatch):
     assert "within it: the row waited, not CPU-bound (50% of the CPUs busy)" in line
     passed = dataclasses.replace(ours, steps_per_s=3_100.0)
     assert bench.speedup_budget_text([passed, shm], bench.judge([passed, shm])) == []
+
+
+def test_the_packed_row_s_figures_are_set_beside_the_one_env_per_worker_row_s(monkeypatch):
+    """The same 4 envs in one worker: steps/s as a ratio, CPU and results/recv side by side."""
+    bench = load_bench(monkeypatch)
+    ours = a_run(
+        bench,
+        3_940.0,
+        envs_per_worker=1,
+        cpu_us_per_step=395.0,
+        trainer_cpu_us_per_step=155.0,
+        results_per_recv=2.2,
+    )
+    packed = dataclasses.replace(
+        ours,
+        row="zmqpool-packed",
+        envs_per_worker=4,
+        steps_per_s=4_910.0,
+        cpu_us_per_step=198.0,
+        trainer_cpu_us_per_step=70.0,
+        results_per_recv=4.0,
+    )
+    assert bench.packing_text([ours, packed]) == [
+        "cheap: its 4 envs in one worker process (zmqpool-packed) ran 4,910 steps/s, 1.25x "
+        "zmqpool with 1 per worker, at 198 us (70 in the trainer, 4.0 results/recv) of CPU "
+        "per env-step against 395 us (155 in the trainer, 2.2 results/recv)"
+    ]
+    assert bench.packing_text([ours]) == []  # no packed row, no line
+    unmeasured = dataclasses.replace(packed, cpu_us_per_step=None)
+    (line,) = bench.packing_text([ours, unmeasured])
+    assert "at ? us of CPU per env-step" in line
