@@ -53,6 +53,21 @@ the numpy twin :class:`~zmqpool.benchenvs.CountingGymEnv`, ``gym-serial`` that
 twin stepped in this process, and ``bare-zmq`` a ROUTER/DEALER request with a
 PUSH/PULL reply to echo subprocesses, one request in flight per peer.
 
+Two hand-written pyzmq pools of the scenario's own envs set a bar beside
+zmqpool's: ``zmq-floor`` (cheap, pixel, 1mib, latency, roundtrip) is
+``bare-zmq`` whose peers (:func:`zmqpool.benchfloor.floor_peer`) step their
+``CountingEnv`` with torchrl's ``env.step`` and answer with its observation,
+reward and done as raw frames, the trainer receiving and resending and
+building no tensors; ``zmq-plain`` (cheap) is the same with a trainer side
+written plainly as a pool: each recv's replies stacked into a TensorDict with
+its ``env_index``, then the loop the pool rows run. Neither has request ids,
+checks or restarts. Each is judged on every target of zmqpool's in its
+scenario, in zmqpool's place, and a line under the table per target says
+whether it meets it: a target ``zmq-floor`` misses is beyond a pool that
+crosses processes through ZeroMQ on this machine and does nothing else; one
+it meets and zmqpool misses is zmqpool's own gap. The JSON's
+``floor_targets`` holds those verdicts (``as``: the row judged).
+
 Every row measures env-steps for ``--seconds`` of wall time after a warm-up,
 and (on Linux) the CPU time and context switches of every thread of the
 process tree (this process and its workers) per env-step;
@@ -132,7 +147,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from zmqpool import benchenvs  # noqa: E402
+from zmqpool.assembly import env_index_stack  # noqa: E402
 from zmqpool.benchenvs import STOP, CountingGymEnv  # noqa: E402
+from zmqpool.benchfloor import env_kwargs_to_json  # noqa: E402
 from zmqpool.testing import CountingEnv  # noqa: E402
 
 Tick = Callable[[], int]
@@ -153,13 +170,30 @@ ALL_ROWS = (
     "zmqpool-sync",
     "zmqpool-inline",
     "zmqpool-packed",
+    "zmq-floor",
+    "zmq-plain",
 )
 #: The row of zmqpool whose envs all live in one worker process (``envs_per_worker=num_envs``).
 PACKED = "zmqpool-packed"
+#: A hand-written pyzmq pool of the same envs (:class:`ZmqFloor`): what the transport allows.
+FLOOR = "zmq-floor"
+#: The same peers, the trainer side returning pool-shaped results, written plainly
+#: (:class:`PlainZmqPool`).
+PLAIN = "zmq-plain"
+#: The hand-written rows judged on zmqpool's targets in its place (:func:`floor_text`).
+HAND_WRITTEN = (FLOOR, PLAIN)
 POOL_ROWS = ALL_ROWS[:5]
 #: Rows that run :class:`AsyncLoop` (or the cartpole loop): their ticks are recvs.
 ASYNC_ROWS = frozenset(
-    {"zmqpool", "torchrl-queue", "torchrl-shm", "zmqpool-tcp", "zmqpool-inline", PACKED}
+    {
+        "zmqpool",
+        "torchrl-queue",
+        "torchrl-shm",
+        "zmqpool-tcp",
+        "zmqpool-inline",
+        PACKED,
+        *HAND_WRITTEN,
+    }
 )
 
 
@@ -240,13 +274,21 @@ def build_scenarios(quick: bool) -> dict[str, Scenario]:
     """
     pixel = (3, 16, 16) if quick else (3, 84, 84)
     big = (16_384,) if quick else (262_144,)
-    cheap_rows = (*POOL_ROWS, "zmqpool-sync", "zmqpool-tcp", PACKED, "gym-async", "gym-serial")
+    cheap_rows = (
+        *POOL_ROWS,
+        "zmqpool-sync",
+        "zmqpool-tcp",
+        PACKED,
+        "gym-async",
+        "gym-serial",
+        *HAND_WRITTEN,
+    )
     scenarios = [
         Scenario("cheap", (4,), cheap_rows),
-        Scenario("pixel", pixel, POOL_ROWS, obs_dtype=torch.uint8),
-        Scenario("1mib", big, (*POOL_ROWS, "zmqpool-tcp", "bare-zmq"), report_gbps=True),
-        Scenario("latency", (4,), POOL_ROWS, step_sleep_s=(0.0, 0.004)),
-        Scenario("roundtrip", (4,), ("zmqpool", "bare-zmq"), num_envs=1),
+        Scenario("pixel", pixel, (*POOL_ROWS, FLOOR), obs_dtype=torch.uint8),
+        Scenario("1mib", big, (*POOL_ROWS, "zmqpool-tcp", "bare-zmq", FLOOR), report_gbps=True),
+        Scenario("latency", (4,), (*POOL_ROWS, FLOOR), step_sleep_s=(0.0, 0.004)),
+        Scenario("roundtrip", (4,), ("zmqpool", "bare-zmq", FLOOR), num_envs=1),
         Scenario(
             "batch32",
             (4,),
@@ -290,6 +332,7 @@ QUICK_ROWS: dict[str, tuple[str, ...]] = {
         PACKED,
         "gym-async",
         "gym-serial",
+        *HAND_WRITTEN,
     ),
     "pixel": ("zmqpool", "serial"),
     "1mib": ("zmqpool", "bare-zmq"),
@@ -795,6 +838,96 @@ def bare_zmq_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
         echo.close()
 
 
+class ZmqFloor(BareZmqEcho):
+    """What a hand-written pyzmq pool reaches with the scenario's envs: :class:`BareZmqEcho`'s
+    sockets, each peer a :func:`zmqpool.benchfloor.floor_peer` that steps its own
+    ``CountingEnv`` with torchrl's ``env.step`` and replies with raw frames.
+
+    The trainer side only receives and resends, building no tensors: an upper
+    bound on any pool that runs these envs in worker processes on this machine.
+    """
+
+    def __init__(self, env_kwargs: list[dict[str, Any]], timeout_s: float) -> None:
+        self.env_kwargs = env_kwargs
+        super().__init__(len(env_kwargs), 0, timeout_s)
+
+    def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
+        addrs = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.router, self.pull)]
+        kwargs = env_kwargs_to_json(self.env_kwargs[int(peer)])
+        argv = [sys.executable, "-m", "zmqpool.benchfloor", *addrs, peer.decode(), kwargs]
+        return subprocess.Popen(argv, cwd=REPO)
+
+
+class PlainZmqPool(ZmqFloor):
+    """:class:`ZmqFloor` whose trainer side returns what a pool's recv returns and runs the
+    loop :class:`AsyncLoop` runs on it: each recv's replies stacked into a TensorDict
+    (``"next"``'s observation, reward and done, and ``env_index`` as the
+    ``NonTensorStack`` torchrl's pool gives), then ``env_index`` read back and a fresh
+    action batch sent, a row to each env.
+
+    No request ids, no checks, no restarts, and tensordict's own ``TensorDict`` and
+    ``torch.stack`` where zmqpool has its own assembly: what a drop-in pool
+    written plainly, without zmqpool's guarantees, spends. Not a bound: a
+    pool's assembly can be cheaper than this one's.
+    """
+
+    def __init__(self, env_kwargs: list[dict[str, Any]], timeout_s: float) -> None:
+        super().__init__(env_kwargs, timeout_s)
+        spec = CountingEnv(**env_kwargs[0]).observation_spec["observation"]
+        self.obs_shape, self.obs_dtype = spec.shape, spec.dtype
+
+    def __call__(self) -> int:
+        """One round of :class:`AsyncLoop`: a result, its ``env_index`` read, actions sent."""
+        done = env_indices(self.recv_result())
+        self.send_actions(done, action_td(len(done)))
+        return len(done)
+
+    def recv_result(self) -> TensorDict:
+        """Wait for one reply, take any others already there: the result of those envs."""
+        self._poll(self.pull)
+        replies = [self.pull.recv_multipart(copy=False)]
+        while self.pull.poll(0):
+            replies.append(self.pull.recv_multipart(copy=False))
+        return self._result(replies)
+
+    def send_actions(self, envs: list[int], actions: TensorDict) -> None:
+        """Send each of ``envs`` its row of ``actions["action"]``."""
+        for env, action in zip(envs, actions.get("action").numpy(), strict=True):
+            self.router.send_multipart([self.peers[env], action])
+
+    def _result(self, replies: list[list[zmq.Frame]]) -> TensorDict:
+        def leaf(i: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+            rows = [torch.frombuffer(bytearray(r[i].buffer), dtype=dtype) for r in replies]
+            return torch.stack(rows).reshape(len(replies), *shape)
+
+        nxt = TensorDict(
+            {
+                "observation": leaf(1, self.obs_dtype, self.obs_shape),
+                "reward": leaf(2, torch.float32, torch.Size((1,))),
+                "done": leaf(3, torch.bool, torch.Size((1,))),
+            },
+            batch_size=[len(replies)],
+        )
+        result = TensorDict({"next": nxt}, batch_size=[len(replies)])
+        result.set("env_index", env_index_stack([int(r[0].bytes) for r in replies]))
+        return result
+
+
+def zmq_floor_row(
+    sc: Scenario, cfg: Config, floor_cls: type[ZmqFloor] = ZmqFloor
+) -> contextlib.AbstractContextManager[Tick]:
+    return _floor_row(floor_cls(sc.env_kwargs(sc.envs(cfg)), cfg.recv_timeout_s))
+
+
+@contextlib.contextmanager
+def _floor_row(floor: ZmqFloor) -> Iterator[Tick]:
+    try:
+        floor.start()
+        yield floor
+    finally:
+        floor.close()
+
+
 ROWS: dict[str, RowFn] = {
     "zmqpool": zmqpool_row,
     "torchrl-queue": partial(torchrl_pool_row, exchange="queue"),
@@ -808,6 +941,8 @@ ROWS: dict[str, RowFn] = {
     "zmqpool-sync": zmqpool_sync_row,
     "zmqpool-inline": zmqpool_inline_row,
     PACKED: zmqpool_packed_row,
+    FLOOR: zmq_floor_row,
+    PLAIN: partial(zmq_floor_row, floor_cls=PlainZmqPool),
 }
 
 
@@ -1326,15 +1461,28 @@ TARGETS = (
 )
 
 
-def judge(results: list[RowResult]) -> list[dict[str, Any]]:
-    """Every target whose row ran: its value and PASS/MISS (``None``: not measurable)."""
+def judge(results: list[RowResult], as_ref: str = REF) -> list[dict[str, Any]]:
+    """Every target whose row ran: its value and PASS/MISS (``None``: not measurable).
+
+    ``as_ref``: judge another row of the scenario in zmqpool's place (:data:`FLOOR`:
+    whether a hand-written pyzmq pool of the same envs would meet each target);
+    only the scenarios that ran it, and only targets with a goal.
+    """
     table = by_scenario(results)
     ran = {(r.scenario, r.row) for r in results}
     out = []
     for t in TARGETS:
+        rows = table.get(t.scenario, {})
         if (t.scenario, t.row) not in ran:
             continue
-        verdict = t.check(table.get(t.scenario, {}))
+        if as_ref != REF:
+            if as_ref not in rows or t.row == as_ref:
+                continue
+            rows = {**rows, REF: rows[as_ref]}
+        verdict = t.check(rows)
+        if as_ref != REF and (verdict is None or verdict[2] is None):
+            continue
+        extra = {} if as_ref == REF else {"as": as_ref}
         value, text, passed = verdict if verdict else (None, "n/a", None)
         out.append(
             {
@@ -1344,6 +1492,7 @@ def judge(results: list[RowResult]) -> list[dict[str, Any]]:
                 "value": value,
                 "text": text,
                 "passed": passed,
+                **extra,
             }
         )
     return out
@@ -1464,8 +1613,10 @@ def write_json(
     verdicts: list,
     meta: dict,
     cells: list[list[RowResult]] | None = None,
+    floor: list | None = None,
 ) -> None:
-    """``results``: one row per cell; ``cells``: the runs behind each (``--repeat``)."""
+    """``results``: one row per cell; ``cells``: the runs behind each (``--repeat``);
+    ``floor``: the targets judged on the :data:`HAND_WRITTEN` rows in zmqpool's place."""
     payload = {
         "meta": meta,
         "results": result_entries(results, cells),
@@ -1474,6 +1625,7 @@ def write_json(
             for (s, row), v in ratios(results).items()
         ],
         "targets": verdicts,
+        "floor_targets": floor or [],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
@@ -1701,6 +1853,46 @@ def speedup_budget_text(results: list[RowResult], verdicts: list[dict[str, Any]]
             f"{_serial_text(rows)}"
         )
     return lines
+
+
+def floor_text(verdicts: list[dict[str, Any]], floor: list[dict[str, Any]]) -> list[str]:
+    """Per target a hand-written row (:data:`HAND_WRITTEN`, its name under ``"as"``) was
+    judged on in zmqpool's place: its verdict beside zmqpool's.
+
+    A target :data:`FLOOR` misses is beyond a pool of these envs that crosses
+    processes through ZeroMQ on this machine and does nothing else; one
+    :data:`PLAIN` misses is beyond that pool written plainly to return
+    pool-shaped results to the loop a user writes; one either meets and
+    zmqpool misses is a gap of zmqpool's own.
+    """
+    ours = {(v["scenario"], v["row"], v["target"]): v for v in verdicts}
+    lines = []
+    for f in floor:
+        v = ours.get((f["scenario"], f["row"], f["target"]))
+        if v is None:
+            continue
+        if not f["passed"]:
+            why = f"beyond {FLOOR_SCOPE[f['as']]} here"
+        elif v["passed"]:
+            why = "both meet it"
+        else:
+            why = f"within the reach of {FLOOR_SCOPE[f['as']]}: the gap is zmqpool's own"
+        lines.append(
+            f"{f['scenario']} {f['row']} {f['target']}: {f['as']} {_status(f)} ({f['text']}), "
+            f"{REF} {_status(v)} ({v['text']}): {why}"
+        )
+    return lines
+
+
+#: What a miss of each floor row is beyond.
+FLOOR_SCOPE = {
+    FLOOR: "a bare pyzmq pool of these envs",
+    PLAIN: "a plainly written pyzmq pool of these envs returning pool-shaped results",
+}
+
+
+def _status(verdict: dict[str, Any]) -> str:
+    return {True: "PASS", False: "MISS", None: "n/a"}[verdict["passed"]]
 
 
 def packing_text(results: list[RowResult]) -> list[str]:
@@ -2031,6 +2223,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ratios and targets judge the medians, through the same code as a single run.
     results = [combine_runs(runs) for runs in cells]
     verdicts = judge(results)
+    floor = [v for row in HAND_WRITTEN for v in judge(results, as_ref=row)]
     wall_s = time.perf_counter() - start
     print(markdown_table(results, verdicts, table))
     per_worker = (
@@ -2043,6 +2236,7 @@ def main(argv: list[str] | None = None) -> int:
         *scale_budget_text(results, penalty),
         *speedup_budget_text(results, verdicts),
         *packing_text(results),
+        *floor_text(verdicts, floor),
     ]
     print("\n" + "\n".join([idle_penalty_text(penalty), *budgets]))
     rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
@@ -2050,7 +2244,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(results)} rows{rounds} in {wall_s:.1f} s{per_worker}; targets are informational."
     )
     if args.json:
-        write_json(args.json, results, verdicts, meta(args, cfg, wall_s, penalty), cells)
+        run_meta = meta(args, cfg, wall_s, penalty)
+        write_json(args.json, results, verdicts, run_meta, cells, floor)
     if args.plot:
         write_plot(args.plot, results)
     # A run that failed fails the bench, even if the other rounds of its row measured.

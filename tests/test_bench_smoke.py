@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,112 @@ def test_the_packed_row_s_figures_are_set_beside_the_one_env_per_worker_row_s(mo
     unmeasured = dataclasses.replace(packed, cpu_us_per_step=None)
     (line,) = bench.packing_text([ours, unmeasured])
     assert "at ? us of CPU per env-step" in line
+
+
+def test_the_hand_written_rows_ran_and_are_judged_on_zmqpool_s_targets(quick_run):
+    """``--quick`` runs both hand-written pyzmq pools (zmq-floor, zmq-plain) in cheap: their
+    peers stepped their envs, and every cheap target with a goal got each floor's verdict."""
+    proc, out = quick_run
+    cells = cells_of(out)
+    for row in ("zmq-floor", "zmq-plain"):
+        floor = cells[("cheap", row)]
+        assert floor["num_envs"] == 2 and floor["steps"] > 0, floor
+        assert floor["trainer_cpu_us_per_step"] > 0 and floor["results_per_recv"] >= 1, floor
+        # Its peers are processes of their own: the tree's CPU is more than the trainer's.
+        assert floor["cpu_us_per_step"] > floor["trainer_cpu_us_per_step"], floor
+    report = json.loads((out / "r.json").read_text())
+    judged = {(t["as"], t["scenario"], t["row"], t["target"]) for t in report["floor_targets"]}
+    cheap_targets = {
+        ("cheap", "zmqpool", "trainer CPU <=100 us/step (min_get=1)"),
+        ("cheap", "torchrl-shm", ">=3x"),
+        ("cheap", "parallelenv", ">=1.5x"),
+        ("cheap", "serial", ">=0.5x"),
+    }
+    assert judged == {(row, *t) for row in ("zmq-floor", "zmq-plain") for t in cheap_targets}
+    for row in ("zmq-floor", "zmq-plain"):
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("cheap ") and f" {row} " in x]
+        assert len(lines) == 4, proc.stdout
+
+
+def test_the_plain_pool_returns_what_a_pool_returns(monkeypatch):
+    """zmq-plain's trainer side builds the result torchrl's pool returns for these envs:
+    ``("next", ...)`` leaves of the env's shapes and dtypes, and ``env_index`` as a
+    ``NonTensorStack`` of the envs that replied; its steps count those envs."""
+    import torch
+    from torchrl.envs import AsyncEnvPool
+
+    from zmqpool.testing import CountingEnv
+
+    bench = load_bench(monkeypatch)
+    kwargs = [{"env_id": i, "obs_shape": (3, 4, 4), "obs_dtype": torch.uint8} for i in range(2)]
+    floor = bench.PlainZmqPool(kwargs, timeout_s=60.0)
+    oracle = AsyncEnvPool([partial(CountingEnv, **k) for k in kwargs], backend="threading")
+    try:
+        floor.start()  # every env has a step in flight: two replies, in one result or two
+        results = [floor.recv_result()]
+        if len(results[0]) < 2:
+            results.append(floor.recv_result())
+        oracle.reset()
+        oracle.async_step_send(bench.action_td(2), env_index=[0, 1])
+        want = oracle.async_step_recv(min_get=2, timeout=60.0)
+    finally:
+        floor.close()
+        oracle.close()
+    assert sorted(i for got in results for i in bench.env_indices(got)) == [0, 1]
+    for got in results:
+        assert type(got.get("env_index")) is type(want.get("env_index"))
+        for key in (("next", "observation"), ("next", "reward"), ("next", "done")):
+            g, w = got.get(key), want.get(key)
+            assert (g.dtype, g.shape[1:]) == (w.dtype, w.shape[1:]), key
+        # CountingEnv writes its env_id first in every observation, and its step count next.
+        for env, obs in zip(bench.env_indices(got), got.get(("next", "observation")), strict=True):
+            assert obs.reshape(-1)[:2].tolist() == [env, 1]
+
+
+def test_a_target_is_judged_on_the_floor_row_in_zmqpool_s_place(monkeypatch):
+    """The floor's verdicts use the same checks with its row as zmqpool's, and the line
+    says whether a miss is beyond a bare pyzmq pool or zmqpool's own."""
+    bench = load_bench(monkeypatch)
+    shm = dataclasses.replace(a_run(bench, 1_000.0), row="torchrl-shm")
+    parallel = dataclasses.replace(a_run(bench, 2_000.0), row="parallelenv")
+    ours = a_run(bench, 2_000.0)
+    floor = dataclasses.replace(a_run(bench, 3_500.0), row="zmq-floor")
+    results = [ours, shm, parallel, floor]
+    verdicts, floored = bench.judge(results), bench.judge(results, as_ref="zmq-floor")
+    assert [(v["as"], v["row"], v["text"], v["passed"]) for v in floored] == [
+        ("zmq-floor", "torchrl-shm", "3.50x", True),
+        ("zmq-floor", "parallelenv", "1.75x", True),
+    ]
+    assert bench.floor_text(verdicts, floored) == [
+        "cheap torchrl-shm >=3x: zmq-floor PASS (3.50x), zmqpool MISS (2.00x): within the "
+        "reach of a bare pyzmq pool of these envs: the gap is zmqpool's own",
+        "cheap parallelenv >=1.5x: zmq-floor PASS (1.75x), zmqpool MISS (1.00x): within the "
+        "reach of a bare pyzmq pool of these envs: the gap is zmqpool's own",
+    ]
+    slow = dataclasses.replace(floor, row="zmq-plain", steps_per_s=2_500.0)
+    floored = bench.judge([ours, shm, parallel, slow], "zmq-plain")
+    beyond, _ = bench.floor_text(verdicts, floored)
+    assert beyond.endswith(
+        "zmq-plain MISS (2.50x), zmqpool MISS (2.00x): beyond a plainly written pyzmq pool "
+        "of these envs returning pool-shaped results here"
+    ), beyond
+    fast = dataclasses.replace(ours, steps_per_s=3_100.0)
+    meets = [fast, shm, parallel, floor]
+    assert bench.floor_text(bench.judge(meets), bench.judge(meets, "zmq-floor"))[0].endswith(
+        "zmq-floor PASS (3.50x), zmqpool PASS (3.10x): both meet it"
+    )
+    assert bench.judge([ours, shm], as_ref="zmq-floor") == []  # no floor row, no verdicts
+
+
+def test_the_floor_peer_s_env_kwargs_cross_as_json():
+    import torch
+
+    from zmqpool.benchfloor import env_kwargs_from_json, env_kwargs_to_json
+
+    kwargs = {
+        "env_id": 3,
+        "obs_shape": (3, 8, 8),
+        "obs_dtype": torch.uint8,
+        "step_sleep_s": (0.0, 0.004),
+    }
+    assert env_kwargs_from_json(env_kwargs_to_json(kwargs)) == kwargs

@@ -23,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 import zmq
 
-__all__ = ["STOP", "CountingGymEnv", "echo_peer"]
+__all__ = ["STOP", "CountingGymEnv", "echo_peer", "peer_sockets"]
 
 #: The request that makes :func:`echo_peer` exit.
 STOP = b"stop"
@@ -70,6 +70,20 @@ class CountingGymEnv(gym.Env):
         return self._observation(last_action), reward, terminated, False, {}
 
 
+def peer_sockets(
+    ctx: zmq.Context, router_addr: str, pull_addr: str, peer_id: bytes
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """A bench peer's DEALER (named ``peer_id``) to the parent's ROUTER and PUSH to its PULL."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, peer_id)
+    push = ctx.socket(zmq.PUSH)
+    for sock in (dealer, push):
+        sock.setsockopt(zmq.LINGER, 0)
+    dealer.connect(router_addr)
+    push.connect(pull_addr)
+    return dealer, push
+
+
 def echo_peer(
     router_addr: str, pull_addr: str, peer_id: bytes, nbytes: int, idle_s: float = 60.0
 ) -> None:
@@ -81,13 +95,7 @@ def echo_peer(
     parent that died).
     """
     ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, peer_id)
-    push = ctx.socket(zmq.PUSH)
-    for sock in (dealer, push):
-        sock.setsockopt(zmq.LINGER, 0)
-    dealer.connect(router_addr)
-    push.connect(pull_addr)
+    dealer, push = peer_sockets(ctx, router_addr, pull_addr, peer_id)
     payload = bytearray(nbytes)  # allocated once, sent without copying
     try:
         dealer.send(HELLO)
