@@ -1863,7 +1863,8 @@ def floor_text(verdicts: list[dict[str, Any]], floor: list[dict[str, Any]]) -> l
     processes through ZeroMQ on this machine and does nothing else; one
     :data:`PLAIN` misses is beyond that pool written plainly to return
     pool-shaped results to the loop a user writes; one either meets and
-    zmqpool misses is a gap of zmqpool's own.
+    zmqpool misses is a gap of zmqpool's own. A target zmqpool meets is met,
+    whatever the hand-written row did.
     """
     ours = {(v["scenario"], v["row"], v["target"]): v for v in verdicts}
     lines = []
@@ -1871,10 +1872,10 @@ def floor_text(verdicts: list[dict[str, Any]], floor: list[dict[str, Any]]) -> l
         v = ours.get((f["scenario"], f["row"], f["target"]))
         if v is None:
             continue
-        if not f["passed"]:
+        if v["passed"]:
+            why = "both meet it" if f["passed"] else f"{REF} meets it, {f['as']} does not"
+        elif not f["passed"]:
             why = f"beyond {FLOOR_SCOPE[f['as']]} here"
-        elif v["passed"]:
-            why = "both meet it"
         else:
             why = f"within the reach of {FLOOR_SCOPE[f['as']]}: the gap is zmqpool's own"
         lines.append(

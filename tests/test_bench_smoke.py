@@ -542,6 +542,12 @@ def test_a_target_is_judged_on_the_floor_row_in_zmqpool_s_place(monkeypatch):
         "zmq-floor PASS (3.50x), zmqpool PASS (3.10x): both meet it"
     )
     assert bench.judge([ours, shm], as_ref="zmq-floor") == []  # no floor row, no verdicts
+    # zmqpool meets a target the floor misses: met, not "beyond" anything.
+    lagging = dataclasses.replace(floor, steps_per_s=2_500.0)
+    met = [fast, shm, parallel, lagging]
+    assert bench.floor_text(bench.judge(met), bench.judge(met, "zmq-floor"))[0].endswith(
+        "zmq-floor MISS (2.50x), zmqpool PASS (3.10x): zmqpool meets it, zmq-floor does not"
+    )
 
 
 def test_the_floor_peer_s_env_kwargs_cross_as_json():
@@ -556,3 +562,41 @@ def test_the_floor_peer_s_env_kwargs_cross_as_json():
         "step_sleep_s": (0.0, 0.004),
     }
     assert env_kwargs_from_json(env_kwargs_to_json(kwargs)) == kwargs
+
+
+def test_the_floor_peer_runs_torch_with_one_thread_as_zmqpool_s_workers_do(monkeypatch, tmp_path):
+    """A floor peer with torch's default threads (one per core) spent 10x zmqpool's CPU on a
+    1 MiB observation: it steps its env with one thread, as zmqpool's workers do."""
+    import threading
+
+    import numpy as np
+    import torch
+    import zmq
+
+    from zmqpool import benchfloor
+    from zmqpool.benchenvs import HELLO, STOP
+
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.delenv("ZMQPOOL_WORKER_THREADS", raising=False)
+    ctx = zmq.Context()
+    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    for sock, name in ((router, "router"), (pull, "pull")):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{tmp_path}/{name}")
+    args = (f"ipc://{tmp_path}/router", f"ipc://{tmp_path}/pull", b"0", {"obs_shape": (8,)})
+    peer = threading.Thread(target=benchfloor.floor_peer, args=args, kwargs={"idle_s": 10.0})
+    peer.start()
+    try:
+        assert router.poll(10_000), "the peer never said hello"
+        assert router.recv_multipart() == [b"0", HELLO]
+        router.send_multipart([b"0", np.float32(0.5).tobytes()])
+        assert pull.poll(10_000), "the peer never replied"
+        peer_id, obs, _reward, _done = pull.recv_multipart()
+        assert peer_id == b"0" and np.frombuffer(obs, np.float32)[:3].tolist() == [0, 1, 0.5]
+    finally:
+        router.send_multipart([b"0", STOP])
+        peer.join(timeout=10)
+        ctx.destroy(linger=0)
+    assert not peer.is_alive()
+    assert threads == [1]

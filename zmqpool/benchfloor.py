@@ -6,7 +6,12 @@ bytes from the parent's ROUTER, copies it into a preallocated TensorDict,
 calls the env's own ``env.step`` (torchrl's ``EnvBase.step``, as every pool
 must), and pushes the observation, reward and done flag back to the parent's
 PULL as raw frames. No msgpack header, no spec, no keys, no request ids, no
-restarts, no input checks: the row measures what ZeroMQ and the env cost on
+restarts, no input checks. It runs torch as zmqpool's workers do, with one
+intra-op thread (:func:`workers.hosting.limit_torch_threads`): with torch's
+default of one per core, four peers making a 1 MiB observation each took
+12.7-15.3 ms of CPU per env-step (trainer included; the env's tensor ops in
+OpenMP threads contending for 2 cores), 156 steps/s; with one, 1.25 ms and
+1,432 steps/s. The row measures what ZeroMQ and the env cost on
 this machine, so the bench can say whether a target is within a bare pyzmq
 pool's reach before it holds zmqpool to it.
 
@@ -26,6 +31,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
+from workers.hosting import limit_torch_threads
 from zmqpool.benchenvs import HELLO, STOP, peer_sockets
 from zmqpool.testing import CountingEnv
 
@@ -73,6 +79,7 @@ def floor_peer(
     The peer exits on :data:`~zmqpool.benchenvs.STOP` or after ``idle_s``
     seconds without a request (so it never outlives a parent that died).
     """
+    limit_torch_threads()  # before the env makes a tensor: as a zmqpool worker runs
     env = CountingEnv(**env_kwargs)
     env.reset()
     td = TensorDict({"action": torch.zeros(env.action_spec.shape)})  # as the serial row's
