@@ -56,7 +56,8 @@ PUSH/PULL reply to echo subprocesses, one request in flight per peer.
 Two hand-written pyzmq pools of the scenario's own envs set a bar beside
 zmqpool's: ``zmq-floor`` (cheap, pixel, 1mib, latency, roundtrip) is
 ``bare-zmq`` whose peers (:func:`zmqpool.benchfloor.floor_peer`) step their
-``CountingEnv`` with torchrl's ``env.step`` and answer with its observation,
+``CountingEnv`` as zmqpool's workers do (``workers.hosting.step_next``) and
+answer with its observation,
 reward and done as raw frames, the trainer receiving and resending and
 building no tensors; ``zmq-plain`` (cheap) is the same with a trainer side
 written plainly as a pool: each recv's replies stacked into a TensorDict with
@@ -841,7 +842,7 @@ def bare_zmq_row(sc: Scenario, cfg: Config) -> Iterator[Tick]:
 class ZmqFloor(BareZmqEcho):
     """What a hand-written pyzmq pool reaches with the scenario's envs: :class:`BareZmqEcho`'s
     sockets, each peer a :func:`zmqpool.benchfloor.floor_peer` that steps its own
-    ``CountingEnv`` with torchrl's ``env.step`` and replies with raw frames.
+    ``CountingEnv`` as zmqpool's workers do and replies with raw frames.
 
     The trainer side only receives and resends, building no tensors: an upper
     bound on any pool that runs these envs in worker processes on this machine.

@@ -564,9 +564,10 @@ def test_the_floor_peer_s_env_kwargs_cross_as_json():
     assert env_kwargs_from_json(env_kwargs_to_json(kwargs)) == kwargs
 
 
-def test_the_floor_peer_runs_torch_with_one_thread_as_zmqpool_s_workers_do(monkeypatch, tmp_path):
-    """A floor peer with torch's default threads (one per core) spent 10x zmqpool's CPU on a
-    1 MiB observation: it steps its env with one thread, as zmqpool's workers do."""
+def test_the_floor_peer_steps_its_env_as_zmqpool_s_workers_do(monkeypatch, tmp_path):
+    """The floor is no floor if its peers do more than zmqpool's workers: they run torch with
+    one thread (with one per core a 1 MiB observation cost 10x zmqpool's CPU) and take
+    the workers' own lean step, whose result is ``env.step``'s "next"."""
     import threading
 
     import numpy as np
@@ -578,6 +579,14 @@ def test_the_floor_peer_runs_torch_with_one_thread_as_zmqpool_s_workers_do(monke
 
     threads: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    stepped = []
+
+    def step_next(env, td):
+        stepped.append(type(env).__name__)
+        return lean_step(env, td)
+
+    lean_step = benchfloor.step_next
+    monkeypatch.setattr(benchfloor, "step_next", step_next)
     monkeypatch.delenv("ZMQPOOL_WORKER_THREADS", raising=False)
     ctx = zmq.Context()
     router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
@@ -600,3 +609,4 @@ def test_the_floor_peer_runs_torch_with_one_thread_as_zmqpool_s_workers_do(monke
         ctx.destroy(linger=0)
     assert not peer.is_alive()
     assert threads == [1]
+    assert stepped == ["CountingEnv"]
