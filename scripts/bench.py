@@ -57,16 +57,15 @@ Two hand-written pyzmq pools of the scenario's own envs set a bar beside
 zmqpool's: ``zmq-floor`` (cheap, pixel, 1mib, latency, roundtrip) is
 ``bare-zmq`` whose peers (:func:`zmqpool.benchfloor.floor_peer`) step their
 ``CountingEnv`` as zmqpool's workers do (``workers.hosting.step_next``) and
-answer with its observation,
-reward and done as raw frames, the trainer receiving and resending and
-building no tensors; ``zmq-plain`` (cheap) is the same with a trainer side
-written plainly as a pool: each recv's replies stacked into a TensorDict with
-its ``env_index``, then the loop the pool rows run. Neither has request ids,
-checks or restarts. Each is judged on every target of zmqpool's in its
-scenario, in zmqpool's place, and a line under the table per target says
-whether it meets it: a target ``zmq-floor`` misses is beyond a pool that
-crosses processes through ZeroMQ on this machine and does nothing else; one
-it meets and zmqpool misses is zmqpool's own gap. The JSON's
+answer with its observation, reward and done as raw frames, the trainer
+receiving and resending and building no tensors; ``zmq-plain`` (cheap) is the
+same with a trainer side written plainly as a pool: each recv's replies
+stacked into a TensorDict with its ``env_index``, then the loop the pool rows
+run. Neither has request ids, checks or restarts. Each is judged on every
+target of zmqpool's in its scenario, in zmqpool's place, and a line under the
+table per target says whether it meets it: a target ``zmq-floor`` misses is
+beyond a pool that crosses processes through ZeroMQ on this machine and does
+nothing else; one it meets and zmqpool misses is zmqpool's own gap. The JSON's
 ``floor_targets`` holds those verdicts (``as``: the row judged).
 
 Every row measures env-steps for ``--seconds`` of wall time after a warm-up,

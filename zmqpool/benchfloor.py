@@ -3,18 +3,14 @@
 :func:`floor_peer` is what a worker of the leanest pool one could write on pyzmq and
 torchrl does, and nothing more: a DEALER receives an action as raw bytes from the
 parent's ROUTER, copies it into a preallocated TensorDict, steps the env as zmqpool's
-workers do (:func:`workers.hosting.step_next`: torchrl's ``env.step`` without the
-bookkeeping a pool does not need, ~20 us less of a cheap env's ~80 us step; with
-``env.step`` itself the floor's workers spent more CPU per step than zmqpool's), and
-pushes the observation, reward and done flag back to the parent's PULL as raw frames. No
-msgpack header, no spec, no keys, no request ids, no restarts, no input checks. It runs
-torch as zmqpool's workers do, with one intra-op thread
-(:func:`workers.hosting.limit_torch_threads`): with torch's default of one per core,
-four peers making a 1 MiB observation each took 12.7-15.3 ms of CPU per env-step
-(trainer included; the env's tensor ops in OpenMP threads contending for 2 cores), 156
-steps/s; with one, 1.25 ms and 1,432 steps/s. The row measures what ZeroMQ and the env
-cost on this machine, so the bench can say whether a target is within a bare pyzmq
-pool's reach before it holds zmqpool to it.
+workers do (:func:`workers.hosting.step_next`), and pushes the observation, reward and
+done flag back to the parent's PULL as raw frames. No msgpack header, no spec, no keys,
+no request ids, no restarts, no input checks. It runs torch with one intra-op thread,
+as zmqpool's workers do (:func:`workers.hosting.limit_torch_threads`). A peer that did
+more than a worker (``env.step``'s bookkeeping, or OpenMP threads contending for the
+cores) would be no floor: ``docs/PERFORMANCE.md`` (session 35) has the figures. The row
+measures what ZeroMQ and the env cost on this machine, so the bench can say whether a
+target is within a bare pyzmq pool's reach before it holds zmqpool to it.
 
 Run it as ``python -m zmqpool.benchfloor ROUTER_ADDR PULL_ADDR PEER_ID KWARGS_JSON``,
 ``KWARGS_JSON`` being :class:`zmqpool.testing.CountingEnv`'s keyword arguments
