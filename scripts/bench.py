@@ -53,7 +53,7 @@ the numpy twin :class:`~zmqpool.benchenvs.CountingGymEnv`, ``gym-serial`` that
 twin stepped in this process, and ``bare-zmq`` a ROUTER/DEALER request with a
 PUSH/PULL reply to echo subprocesses, one request in flight per peer.
 
-Two hand-written pyzmq pools of the scenario's own envs set a bar beside
+Three hand-written pyzmq pools of the scenario's own envs set a bar beside
 zmqpool's: ``zmq-floor`` (cheap, pixel, 1mib, latency, roundtrip) is
 ``bare-zmq`` whose peers (:func:`zmqpool.benchfloor.floor_peer`) step their
 ``CountingEnv`` as zmqpool's workers do (``workers.hosting.step_next``) and
@@ -61,7 +61,12 @@ answer with its observation, reward and done as raw frames, the trainer
 receiving and resending and building no tensors; ``zmq-plain`` (cheap) is the
 same with a trainer side written plainly as a pool: each recv's replies
 stacked into a TensorDict with its ``env_index``, then the loop the pool rows
-run. Neither has request ids, checks or restarts. Each is judged on every
+run; ``zmq-lean`` (cheap) returns zmqpool's own result (``action`` and all five
+leaves of ``"next"``) built with the least Python tensordict allows (one
+``torch.frombuffer`` per leaf over its joined rows, ``TensorDict._new_unsafe``),
+then the same loop: what returning these TensorDicts costs a trainer in Python
+at the least, however its transport is written. None has request ids, checks
+or restarts. Each is judged on every
 target of zmqpool's in its scenario, in zmqpool's place, and a line under the
 table per target says whether it meets it: a target ``zmq-floor`` misses is
 beyond a pool that crosses processes through ZeroMQ on this machine and does
@@ -149,7 +154,7 @@ if str(REPO) not in sys.path:
 from zmqpool import benchenvs  # noqa: E402
 from zmqpool.assembly import env_index_stack  # noqa: E402
 from zmqpool.benchenvs import STOP, CountingGymEnv  # noqa: E402
-from zmqpool.benchfloor import env_kwargs_to_json  # noqa: E402
+from zmqpool.benchfloor import REPLY_KEYS, env_kwargs_to_json  # noqa: E402
 from zmqpool.testing import CountingEnv  # noqa: E402
 
 Tick = Callable[[], int]
@@ -172,6 +177,7 @@ ALL_ROWS = (
     "zmqpool-packed",
     "zmq-floor",
     "zmq-plain",
+    "zmq-lean",
 )
 #: The row of zmqpool whose envs all live in one worker process (``envs_per_worker=num_envs``).
 PACKED = "zmqpool-packed"
@@ -180,8 +186,11 @@ FLOOR = "zmq-floor"
 #: The same peers, the trainer side returning pool-shaped results, written plainly
 #: (:class:`PlainZmqPool`).
 PLAIN = "zmq-plain"
+#: The same peers, the trainer side returning zmqpool's own result built with the least
+#: Python tensordict allows (:class:`LeanZmqPool`).
+LEAN = "zmq-lean"
 #: The hand-written rows judged on zmqpool's targets in its place (:func:`floor_text`).
-HAND_WRITTEN = (FLOOR, PLAIN)
+HAND_WRITTEN = (FLOOR, PLAIN, LEAN)
 POOL_ROWS = ALL_ROWS[:5]
 #: Rows that run :class:`AsyncLoop` (or the cartpole loop): their ticks are recvs.
 ASYNC_ROWS = frozenset(
@@ -851,10 +860,14 @@ class ZmqFloor(BareZmqEcho):
         self.env_kwargs = env_kwargs
         super().__init__(len(env_kwargs), 0, timeout_s)
 
+    #: The leaves of each step's ``"next"`` a peer sends back, in this order.
+    reply_keys: tuple[str, ...] = REPLY_KEYS
+
     def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
         addrs = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.router, self.pull)]
         kwargs = env_kwargs_to_json(self.env_kwargs[int(peer)])
-        argv = [sys.executable, "-m", "zmqpool.benchfloor", *addrs, peer.decode(), kwargs]
+        keys = ",".join(self.reply_keys)
+        argv = [sys.executable, "-m", "zmqpool.benchfloor", *addrs, peer.decode(), kwargs, keys]
         return subprocess.Popen(argv, cwd=REPO)
 
 
@@ -913,6 +926,61 @@ class PlainZmqPool(ZmqFloor):
         return result
 
 
+class LeanZmqPool(PlainZmqPool):
+    """:class:`PlainZmqPool` returning what zmqpool's recv returns for these envs (the
+    ``action`` each env was sent, every leaf of ``"next"`` and ``env_index``), built with
+    the least Python tensordict allows: per leaf one ``bytearray.join`` of its rows and
+    one ``torch.frombuffer``, then ``TensorDict._new_unsafe`` and zmqpool's
+    :func:`~zmqpool.assembly.env_index_stack`, with no per-key checks.
+
+    Still no request ids, checks or restarts: it measures what returning these
+    TensorDicts to the user's loop costs a trainer in Python at the least, on top
+    of :class:`ZmqFloor`'s transport. A compiled transport would pay it too.
+    """
+
+    reply_keys = ("observation", "reward", "done", "terminated", "truncated")
+
+    def __init__(self, env_kwargs: list[dict[str, Any]], timeout_s: float) -> None:
+        super().__init__(env_kwargs, timeout_s)
+        env = CountingEnv(**env_kwargs[0])
+        specs = env.full_observation_spec.clone().update(env.full_reward_spec)
+        specs.update(env.full_done_spec)
+        self.leaf_specs = [(specs[key].dtype, specs[key].shape) for key in self.reply_keys]
+        self.action_spec = (env.action_spec.dtype, env.action_spec.shape)
+        self.sent: dict[int, bytes] = {}  # each env's last action: the result's root
+
+    def send_actions(self, envs: list[int], actions: TensorDict) -> None:
+        """Send each of ``envs`` its row of ``actions["action"]``, and keep it."""
+        for env, action in zip(envs, actions.get("action").numpy(), strict=True):
+            self.sent[env] = row = action.tobytes()
+            self.router.send_multipart([self.peers[env], row])
+
+    def start(self) -> None:
+        """As :meth:`ZmqFloor.start`, keeping the first action it sends each env."""
+        self.sent = dict.fromkeys(range(len(self.peers)), self.REQUEST)
+        super().start()
+
+    def _result(self, replies: list[list[zmq.Frame]]) -> TensorDict:
+        n = len(replies)
+        batch = torch.Size((n,))
+        envs = [int(r[0].bytes) for r in replies]
+        nxt = {
+            key: _joined_leaf([r[i].buffer for r in replies], n, *spec)
+            for i, (key, spec) in enumerate(zip(self.reply_keys, self.leaf_specs, strict=True), 1)
+        }
+        root = {
+            "action": _joined_leaf([self.sent[e] for e in envs], n, *self.action_spec),
+            "next": TensorDict._new_unsafe(nxt, batch_size=batch),
+            "env_index": env_index_stack(envs),
+        }
+        return TensorDict._new_unsafe(root, batch_size=batch)
+
+
+def _joined_leaf(rows: list[Any], n: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """``n`` rows of bytes as one ``[n, *shape]`` tensor: one copy, into memory it owns."""
+    return torch.frombuffer(bytearray().join(rows), dtype=dtype).view(n, *shape)
+
+
 def zmq_floor_row(
     sc: Scenario, cfg: Config, floor_cls: type[ZmqFloor] = ZmqFloor
 ) -> contextlib.AbstractContextManager[Tick]:
@@ -943,6 +1011,7 @@ ROWS: dict[str, RowFn] = {
     PACKED: zmqpool_packed_row,
     FLOOR: zmq_floor_row,
     PLAIN: partial(zmq_floor_row, floor_cls=PlainZmqPool),
+    LEAN: partial(zmq_floor_row, floor_cls=LeanZmqPool),
 }
 
 
@@ -1862,9 +1931,10 @@ def floor_text(verdicts: list[dict[str, Any]], floor: list[dict[str, Any]]) -> l
     A target :data:`FLOOR` misses is beyond a pool of these envs that crosses
     processes through ZeroMQ on this machine and does nothing else; one
     :data:`PLAIN` misses is beyond that pool written plainly to return
-    pool-shaped results to the loop a user writes; one either meets and
-    zmqpool misses is a gap of zmqpool's own. A target zmqpool meets is met,
-    whatever the hand-written row did.
+    pool-shaped results to the loop a user writes; one :data:`LEAN` misses is
+    beyond any pool that returns zmqpool's result built in Python over that
+    transport; one any of them meets and zmqpool misses is a gap of zmqpool's own.
+    A target zmqpool meets is met, whatever the hand-written row did.
     """
     ours = {(v["scenario"], v["row"], v["target"]): v for v in verdicts}
     lines = []
@@ -1889,6 +1959,7 @@ def floor_text(verdicts: list[dict[str, Any]], floor: list[dict[str, Any]]) -> l
 FLOOR_SCOPE = {
     FLOOR: "a bare pyzmq pool of these envs",
     PLAIN: "a plainly written pyzmq pool of these envs returning pool-shaped results",
+    LEAN: "the least Python that returns zmqpool's result of these envs over a bare pyzmq pool",
 }
 
 

@@ -450,11 +450,12 @@ def test_the_packed_row_s_figures_are_set_beside_the_one_env_per_worker_row_s(mo
 
 
 def test_the_hand_written_rows_ran_and_are_judged_on_zmqpool_s_targets(quick_run):
-    """``--quick`` runs both hand-written pyzmq pools (zmq-floor, zmq-plain) in cheap: their
-    peers stepped their envs, and every cheap target with a goal got each floor's verdict."""
+    """``--quick`` runs the hand-written pyzmq pools (zmq-floor, zmq-plain, zmq-lean) in cheap:
+    their peers stepped their envs, and every cheap target with a goal got each one's verdict."""
     proc, out = quick_run
     cells = cells_of(out)
-    for row in ("zmq-floor", "zmq-plain"):
+    hand_written = ("zmq-floor", "zmq-plain", "zmq-lean")
+    for row in hand_written:
         floor = cells[("cheap", row)]
         assert floor["num_envs"] == 2 and floor["steps"] > 0, floor
         assert floor["trainer_cpu_us_per_step"] > 0 and floor["results_per_recv"] >= 1, floor
@@ -468,8 +469,8 @@ def test_the_hand_written_rows_ran_and_are_judged_on_zmqpool_s_targets(quick_run
         ("cheap", "parallelenv", ">=1.5x"),
         ("cheap", "serial", ">=0.5x"),
     }
-    assert judged == {(row, *t) for row in ("zmq-floor", "zmq-plain") for t in cheap_targets}
-    for row in ("zmq-floor", "zmq-plain"):
+    assert judged == {(row, *t) for row in hand_written for t in cheap_targets}
+    for row in hand_written:
         lines = [x for x in proc.stdout.splitlines() if x.startswith("cheap ") and f" {row} " in x]
         assert len(lines) == 4, proc.stdout
 
@@ -507,6 +508,58 @@ def test_the_plain_pool_returns_what_a_pool_returns(monkeypatch):
         # CountingEnv writes its env_id first in every observation, and its step count next.
         for env, obs in zip(bench.env_indices(got), got.get(("next", "observation")), strict=True):
             assert obs.reshape(-1)[:2].tolist() == [env, 1]
+
+
+def replied_envs(bench, results: list, pool) -> list[int]:
+    """Receive into ``results`` until both envs replied (each recv times out on its own);
+    the envs that replied, sorted."""
+    envs = [i for got in results for i in bench.env_indices(got)]
+    while len(envs) < 2:
+        results.append(pool.recv_result())
+        envs += bench.env_indices(results[-1])
+    return sorted(envs)
+
+
+def test_the_lean_pool_returns_what_torchrl_s_pool_returns(monkeypatch):
+    """zmq-lean's trainer side returns the result torchrl's pool returns for these envs, leaf
+    for leaf: the same keys, dtypes and shapes, ``env_index`` of the same type, the same
+    values env by env, and under ``"action"`` the action each env was last sent."""
+    import torch
+    from torchrl.envs import AsyncEnvPool
+
+    from zmqpool.testing import CountingEnv
+
+    bench = load_bench(monkeypatch)
+    kwargs = [{"env_id": i, "obs_shape": (3, 4, 4), "obs_dtype": torch.uint8} for i in range(2)]
+    lean = bench.LeanZmqPool(kwargs, timeout_s=60.0)
+    oracle = AsyncEnvPool([partial(CountingEnv, **k) for k in kwargs], backend="threading")
+    actions = bench.action_td(2)
+    actions.get("action")[:] = torch.tensor([[0.5], [-2.0]])
+    try:
+        lean.start()  # every env has a step in flight with the start's action
+        first = replied_envs(bench, [lean.recv_result()], lean)
+        lean.send_actions([0, 1], actions)
+        results = [lean.recv_result()]
+        replied_envs(bench, results, lean)
+        oracle.reset()
+        oracle.async_step_send(bench.action_td(2), env_index=[0, 1])
+        oracle.async_step_recv(min_get=2, timeout=60.0)
+        oracle.async_step_send(actions.clone(), env_index=[0, 1])
+        want = oracle.async_step_recv(min_get=2, timeout=60.0)
+    finally:
+        lean.close()
+        oracle.close()
+    assert first == [0, 1]
+    wanted_rows = dict(zip(bench.env_indices(want), range(2), strict=True))
+    assert sorted(i for got in results for i in bench.env_indices(got)) == [0, 1]
+    for got in results:
+        assert set(got.keys(True, True)) == set(want.keys(True, True))
+        assert type(got.get("env_index")) is type(want.get("env_index"))
+        for pos, env in enumerate(bench.env_indices(got)):
+            for key in want.exclude("env_index").keys(True, True):
+                g, w = got.get(key)[pos], want.get(key)[wanted_rows[env]]
+                assert (g.dtype, g.shape) == (w.dtype, w.shape), key
+                assert torch.equal(g, w), (key, env, g, w)
 
 
 def test_a_target_is_judged_on_the_floor_row_in_zmqpool_s_place(monkeypatch):

@@ -12,9 +12,10 @@ cores) would be no floor: ``docs/PERFORMANCE.md`` (session 35) has the figures. 
 measures what ZeroMQ and the env cost on this machine, so the bench can say whether a
 target is within a bare pyzmq pool's reach before it holds zmqpool to it.
 
-Run it as ``python -m zmqpool.benchfloor ROUTER_ADDR PULL_ADDR PEER_ID KWARGS_JSON``,
+Run it as ``python -m zmqpool.benchfloor ROUTER_ADDR PULL_ADDR PEER_ID KWARGS_JSON [KEYS]``,
 ``KWARGS_JSON`` being :class:`zmqpool.testing.CountingEnv`'s keyword arguments
-(``obs_dtype`` as a dtype name).
+(``obs_dtype`` as a dtype name) and ``KEYS`` the comma-separated keys of the step's
+``"next"`` it sends (default :data:`REPLY_KEYS`; the ``zmq-lean`` row asks for all five).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from workers.hosting import limit_torch_threads, step_next
 from zmqpool.benchenvs import HELLO, STOP, peer_sockets
 from zmqpool.testing import CountingEnv
 
-__all__ = ["env_kwargs_from_json", "env_kwargs_to_json", "floor_peer"]
+__all__ = ["REPLY_KEYS", "env_kwargs_from_json", "env_kwargs_to_json", "floor_peer"]
 
 #: Frames at least this big go out without a copy (pyzmq's own rule of thumb).
 ZERO_COPY_BYTES = 64 << 10
+#: The leaves of a step's ``"next"`` a peer sends unless asked for others.
+REPLY_KEYS = ("observation", "reward", "done")
 
 
 def env_kwargs_to_json(kwargs: dict[str, Any]) -> str:
@@ -70,8 +73,10 @@ def floor_peer(
     peer_id: bytes,
     env_kwargs: dict[str, Any],
     idle_s: float = 60.0,
+    keys: tuple[str, ...] = REPLY_KEYS,
 ) -> None:
-    """Step a ``CountingEnv`` once per request; reply ``[peer_id, obs, reward, done]``.
+    """Step a ``CountingEnv`` once per request; reply ``[peer_id, *keys' leaves]``
+    (by default its observation, reward and done flag).
 
     The peer exits on :data:`~zmqpool.benchenvs.STOP` or after ``idle_s``
     seconds without a request (so it never outlives a parent that died).
@@ -92,7 +97,7 @@ def floor_peer(
             # numpy, not torch.frombuffer: the frame's buffer is read-only
             action_array[:] = np.frombuffer(request.buffer, dtype=action_array.dtype)
             nxt = step_next(env, td)
-            _reply(push, peer_id, nxt)
+            _reply(push, peer_id, nxt, keys)
             if bool(nxt.get("done").any()):
                 env.reset()
     finally:
@@ -100,17 +105,19 @@ def floor_peer(
         env.close()
 
 
-def _reply(push: zmq.Socket, peer_id: bytes, nxt: TensorDictBase) -> None:
-    """Send the step's observation, reward and done flag as raw frames."""
-    frames = [_frame(nxt.get(key)) for key in ("observation", "reward", "done")]
+def _reply(push: zmq.Socket, peer_id: bytes, nxt: TensorDictBase, keys: tuple[str, ...]) -> None:
+    """Send the step's leaves under ``keys`` as raw frames."""
+    frames = [_frame(nxt.get(key)) for key in keys]
     big = any(zero_copy for _, zero_copy in frames)
     push.send_multipart([peer_id, *(frame for frame, _ in frames)], copy=not big)
 
 
 def main(argv: list[str]) -> None:
-    """``ROUTER_ADDR PULL_ADDR PEER_ID KWARGS_JSON``: run :func:`floor_peer`."""
-    router_addr, pull_addr, peer_id, kwargs_json = argv
-    floor_peer(router_addr, pull_addr, peer_id.encode(), env_kwargs_from_json(kwargs_json))
+    """``ROUTER_ADDR PULL_ADDR PEER_ID KWARGS_JSON [KEYS]``: run :func:`floor_peer`."""
+    router_addr, pull_addr, peer_id, kwargs_json, *rest = argv
+    keys = tuple(rest[0].split(",")) if rest else REPLY_KEYS
+    kwargs = env_kwargs_from_json(kwargs_json)
+    floor_peer(router_addr, pull_addr, peer_id.encode(), kwargs, keys=keys)
 
 
 if __name__ == "__main__":
