@@ -1436,9 +1436,25 @@ def speedup_at_least(row: str, goal: float) -> Callable[..., tuple[float, str, b
         if REF not in rows or row not in rows:
             return None
         value = rows[REF].steps_per_s / rows[row].steps_per_s
-        return value, f"{value:.2f}x", value >= goal
+        return value, f"{goal_text(value, goal, 2)}x", value >= goal
 
     return check
+
+
+def goal_text(
+    value: float, goal: float, digits: int, percent: bool = False, at_most: bool = False
+) -> str:
+    """``value`` with ``digits`` decimals (of a percentage if ``percent``), or the fewest
+    more that keep rounding from carrying it across ``goal``: 96.9% against a goal of
+    97% reads "96.9%", and 2.9991x against 3x "2.999x", not a missed "97%" or "3.00x"."""
+    scale = 100 if percent else 1
+    passed = value <= goal if at_most else value >= goal
+    for extra in range(4):
+        shown = round(value * scale, digits + extra)
+        if (shown <= goal * scale if at_most else shown >= goal * scale) == passed:
+            break
+    places = digits + extra
+    return f"{value:.{places}%}" if percent else f"{value:,.{places}f}"
 
 
 def ideal_fraction_at_least(goal: float, row: str = REF) -> Check:
@@ -1449,7 +1465,7 @@ def ideal_fraction_at_least(goal: float, row: str = REF) -> Check:
         if ref is None or not ref.ideal_steps_per_s:
             return None
         value = ref.steps_per_s / ref.ideal_steps_per_s
-        text = f"{value:.0%} of {ref.ideal_steps_per_s:,.0f}/s"
+        text = f"{goal_text(value, goal, 0, percent=True)} of {ref.ideal_steps_per_s:,.0f}/s"
         serial = rows.get("serial")
         if serial is not None and serial.steps_per_s > 0:
             # The envs' real step time (sleep overshoot and torchrl's own step
@@ -1472,7 +1488,9 @@ def trainer_cpu_at_most(goal_us: float, min_results: float = 0.0) -> Check:
             return None
         value = ref.trainer_cpu_us_per_step
         per_recv = ref.results_per_recv or 0.0
-        text = f"{value:,.0f} us/step at {per_recv:.1f} results/recv"
+        text = (
+            f"{goal_text(value, goal_us, 0, at_most=True)} us/step at {per_recv:.1f} results/recv"
+        )
         return value, text, value <= goal_us and per_recv >= min_results
 
     return check
@@ -1495,7 +1513,7 @@ def latency_within_2x(rows: dict[str, RowResult]) -> tuple[float, str, bool] | N
     if not ref or not bare or not ref.median_latency_us or not bare.median_latency_us:
         return None
     value = ref.median_latency_us / bare.median_latency_us
-    return value, f"latency {value:.2f}x bare", value <= 2.0
+    return value, f"latency {goal_text(value, 2.0, 2, at_most=True)}x bare", value <= 2.0
 
 
 #: The issue's targets, one per (scenario, row) cell it is judged on.
