@@ -66,12 +66,13 @@ leaves of ``"next"``) built with the least Python tensordict allows (one
 ``torch.frombuffer`` per leaf over its joined rows, ``TensorDict._new_unsafe``),
 then the same loop: what returning these TensorDicts costs a trainer in Python
 at the least, however its transport is written. None has request ids, checks
-or restarts. Each is judged on every
-target of zmqpool's in its scenario, in zmqpool's place, and a line under the
-table per target says whether it meets it: a target ``zmq-floor`` misses is
-beyond a pool that crosses processes through ZeroMQ on this machine and does
-nothing else; one it meets and zmqpool misses is zmqpool's own gap. The JSON's
-``floor_targets`` holds those verdicts (``as``: the row judged).
+or restarts. Each is judged on every target of zmqpool's in its scenario, in
+zmqpool's place, and a line under the table per target says whether it meets
+it: a target ``zmq-floor`` misses is beyond a pool that crosses processes
+through ZeroMQ on this machine and does nothing else, one ``zmq-lean`` misses
+is beyond any trainer that hands the user these TensorDicts built in Python,
+and one a hand-written row meets and zmqpool misses is zmqpool's own gap. The
+JSON's ``floor_targets`` holds those verdicts (``as``: the row judged).
 
 Every row measures env-steps for ``--seconds`` of wall time after a warm-up,
 and (on Linux) the CPU time and context switches of every thread of the
@@ -856,12 +857,12 @@ class ZmqFloor(BareZmqEcho):
     bound on any pool that runs these envs in worker processes on this machine.
     """
 
+    #: The leaves of each step's ``"next"`` a peer sends back, in this order.
+    reply_keys: tuple[str, ...] = REPLY_KEYS
+
     def __init__(self, env_kwargs: list[dict[str, Any]], timeout_s: float) -> None:
         self.env_kwargs = env_kwargs
         super().__init__(len(env_kwargs), 0, timeout_s)
-
-    #: The leaves of each step's ``"next"`` a peer sends back, in this order.
-    reply_keys: tuple[str, ...] = REPLY_KEYS
 
     def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
         addrs = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.router, self.pull)]
