@@ -73,6 +73,21 @@ def test_stacking_packed_rows_is_the_batch(batch):
         assert canonical(rows[-1].to_tensordict()) == canonical(batch[len(rows) - 1])
 
 
+@pytest.mark.parametrize("keys", [("action",), ("action", "mask")])
+def test_packed_rows_are_copies_the_caller_s_batch_cannot_change(keys):
+    """A packed row is what the request sent and what its result is rebuilt from: a
+    batch changed in place after the send (a policy's buffer reused) must not reach it."""
+    batch = TensorDict({key: torch.arange(6.0).reshape(3, 2) for key in keys}, [3])
+    rows = RowPacker().pack(batch)
+    assert rows is not None
+    for value in batch.values():
+        value.fill_(-1.0)
+    for i, row in enumerate(rows):
+        sent = row.to_tensordict()
+        for key in keys:
+            assert sent[key].tolist() == [2.0 * i, 2.0 * i + 1]
+
+
 def test_packing_leaves_out_the_excluded_keys_and_non_tensors_fall_back():
     batch = TensorDict({"action": torch.arange(4.0).reshape(2, 2)}, [2])
     batch.set("env_index", assembly.env_index_stack([3, 5]))

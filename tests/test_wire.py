@@ -182,6 +182,18 @@ def test_malformed_headers_raise_protocol_error(frame):
         Header.decode(frame)
 
 
+def test_a_header_that_cannot_be_packed_leaves_the_next_one_whole():
+    """Headers are packed by a Packer kept per thread: one that raises midway must not
+    leave its bytes in front of the next header."""
+    with pytest.raises(TypeError):
+        Header(Command.SEED, env=1, seq=2, body={"seed": object()}).encode()
+    header = Header(Command.STEP, env=3, seq=4, token=b"t", layouts=(1,))
+    assert header.encode() == msgpack.packb(
+        [PROTOCOL_VERSION, int(Command.STEP), 3, 4, b"t", [1], None], use_bin_type=True
+    )
+    assert Header.decode(header.encode()) == header
+
+
 @pytest.mark.parametrize("version", [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99])
 def test_version_mismatch_is_its_own_error(version):
     # PROTOCOL_VERSION - 1: a pool of the previous version, which could not read

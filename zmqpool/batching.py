@@ -65,14 +65,16 @@ class RowPacker:
         if not rows:
             return None
         layout = self._layout(tuple(batch.batch_size[1:]), leaves)
+        # A row's bytes: a C-contiguous (rows, n) array viewed as bytes is (rows, n * size).
         columns = [
-            np.ascontiguousarray(as_array(t)).reshape(-1).view(np.uint8).reshape(rows, leaf.nbytes)
-            for (_, t), leaf in zip(leaves, layout.leaves, strict=True)
+            np.ascontiguousarray(as_array(t)).reshape(rows, -1).view(np.uint8) for _, t in leaves
         ]
         return _split_rows(layout, columns, rows)
 
     def _layout(self, batch: tuple[int, ...], leaves: list[tuple[Key, torch.Tensor]]) -> Layout:
-        signature = (batch, tuple((key, t.dtype, tuple(t.shape[1:])) for key, t in leaves))
+        # A list made into a tuple, and shapes as torch gives them (a tuple subclass):
+        # a generator and a tuple() per leaf cost more, for every batch sent.
+        signature = (batch, tuple([(key, t.dtype, t.shape[1:]) for key, t in leaves]))
         layout = self._layouts.get(signature)
         if layout is None:
             specs = [
@@ -89,13 +91,8 @@ def _row_nbytes(tensor: torch.Tensor) -> int:
 
 
 def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[DecodedPart]:
-    packed = np.zeros((rows, layout.packed_nbytes), dtype=np.uint8)
-    own = []
-    for leaf, column in zip(layout.leaves, columns, strict=True):
-        if leaf.own_frame:
-            own.append(column)
-        else:
-            packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
+    own = [column for leaf, column in zip(layout.leaves, columns, strict=True) if leaf.own_frame]
+    packed = _packed_frame(layout, columns, rows)
     flat, size = packed.reshape(-1).data, layout.packed_nbytes
     has_packed = len(own) < len(layout.leaves)
     parts = []
@@ -108,6 +105,19 @@ def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[De
         buffers += [np.ascontiguousarray(column[row]).data for column in own]
         parts.append(DecodedPart(layout, buffers, []))
     return parts
+
+
+def _packed_frame(layout: Layout, columns: list[np.ndarray], rows: int) -> np.ndarray:
+    """The ``(rows, packed bytes)`` frame of the small leaves: a new array (the batch may
+    change after the send)."""
+    leaves = layout.leaves
+    if len(leaves) == 1 and leaves[0].nbytes == layout.packed_nbytes:  # one leaf, no padding
+        return columns[0].copy()  # (an action batch, say): a copy, not zeros and a fill
+    packed = np.zeros((rows, layout.packed_nbytes), dtype=np.uint8)
+    for leaf, column in zip(leaves, columns, strict=True):
+        if not leaf.own_frame:
+            packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
+    return packed
 
 
 def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:
