@@ -91,10 +91,20 @@ def _row_nbytes(tensor: torch.Tensor) -> int:
 
 
 def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[DecodedPart]:
-    own = [column for leaf, column in zip(layout.leaves, columns, strict=True) if leaf.own_frame]
-    packed = _packed_frame(layout, columns, rows)
-    flat, size = packed.reshape(-1).data, layout.packed_nbytes
-    has_packed = len(own) < len(layout.leaves)
+    leaves, size = layout.leaves, layout.packed_nbytes
+    own = []
+    if len(leaves) == 1 and not leaves[0].own_frame and leaves[0].nbytes == size:
+        packed = columns[0].copy()  # one leaf, no padding (an action batch): no zeros to fill
+    else:
+        packed = np.zeros((rows, size), dtype=np.uint8)
+        for leaf, column in zip(leaves, columns, strict=True):
+            if leaf.own_frame:
+                own.append(column)
+            else:
+                packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
+    # A new array either way: the batch may change after the send.
+    flat = packed.reshape(-1).data
+    has_packed = len(own) < len(leaves)
     parts = []
     if has_packed and not own and size:  # small leaves only (the usual case): a frame a row
         for start in range(0, rows * size, size):
@@ -105,19 +115,6 @@ def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[De
         buffers += [np.ascontiguousarray(column[row]).data for column in own]
         parts.append(DecodedPart(layout, buffers, []))
     return parts
-
-
-def _packed_frame(layout: Layout, columns: list[np.ndarray], rows: int) -> np.ndarray:
-    """The ``(rows, packed bytes)`` frame of the small leaves: a new array (the batch may
-    change after the send)."""
-    leaves = layout.leaves
-    if len(leaves) == 1 and leaves[0].nbytes == layout.packed_nbytes:  # one leaf, no padding
-        return columns[0].copy()  # (an action batch, say): a copy, not zeros and a fill
-    packed = np.zeros((rows, layout.packed_nbytes), dtype=np.uint8)
-    for leaf, column in zip(leaves, columns, strict=True):
-        if not leaf.own_frame:
-            packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
-    return packed
 
 
 def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:
