@@ -89,6 +89,9 @@ scale scenario, how many CPUs the envs' own steps need at the ideal rate at
 the cold cost, and how many the row's own CPU per env-step (trainer and
 workers, as measured) needs there: the most of the ideal rate this machine
 allows at that cost. The JSON's ``meta.idle_penalty`` holds the figures.
+It also bounces a byte through a pipe to another process and back and prints
+what a round trip takes, wall and CPU (the *wake cost*: every message of a
+pool wakes a thread blocked on it; ``meta.wake_cost``).
 
 ``--repeat N`` runs the whole plan N times, interleaved: round 1 measures every
 (scenario, row) once in plan order, then round 2 again, and so on, so a row and
@@ -1756,13 +1759,14 @@ def write_plot(path: Path, results: list[RowResult]) -> None:
 
 
 def meta(
-    args: argparse.Namespace, cfg: Config, wall_s: float, penalty: IdlePenalty
+    args: argparse.Namespace, cfg: Config, wall_s: float, penalty: IdlePenalty, wake: WakeCost
 ) -> dict[str, Any]:
     return {
         "idle_penalty": {
             "hot_us": penalty.hot_us,
             "after_idle_us": {str(gap): us for gap, us in penalty.after_idle_us.items()},
         },
+        "wake_cost": asdict(wake),
         "argv": sys.argv[1:],
         "config": asdict(cfg),
         "quick": args.quick,
@@ -1863,6 +1867,85 @@ def idle_penalty_text(penalty: IdlePenalty) -> str:
     )
     hot = f"{penalty.hot_us:,.0f} us of CPU hot"
     return f"idle penalty: a CountingEnv step here takes {hot}, {after}"
+
+
+# --------------------------------------------------------------------------- the wake cost
+
+
+#: The wake probe's round trips: (warm-up, timed); ``--quick`` times a fifth.
+WAKE_PROBE_ROUNDS = (200, 5000)
+#: How long the whole probe may take (its far end's start-up included).
+WAKE_PROBE_TIMEOUT_S = 60.0
+#: The probe's far end: echoes each byte it reads until its input closes.
+_ECHO_BYTES = "import os\nwhile os.read(0, 1):\n    os.write(1, b'x')\n"
+
+
+@dataclass(frozen=True)
+class WakeCost:
+    """What handing a message to a process blocked on it costs this machine.
+
+    Each message of a pool wakes a thread that blocked waiting for it: a
+    worker for its command, libzmq's I/O threads on both sides, the trainer
+    for its reply. The probe bounces a byte through a pipe to another
+    process and back: each round trip is one write and one blocking read on
+    each side, and nothing else. Where blocking is cheap (an idle CPU that
+    polls a while before it halts) a round trip takes a few us; on a VM whose
+    idle vCPUs halt at once, each wake-up is an exit to the host.
+    """
+
+    #: mean wall time (us) of one round trip.
+    round_trip_us: float
+    #: this process's CPU (us) per round trip: one write, and one blocking read woken.
+    cpu_us: float
+
+
+def wake_cost(quick: bool) -> WakeCost:
+    """Bounce a byte to a fresh echo process :data:`WAKE_PROBE_ROUNDS` times; time it."""
+    warmup, rounds = WAKE_PROBE_ROUNDS
+    rounds = rounds // 5 if quick else rounds
+    echo = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_BYTES],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        bufsize=0,
+    )
+    assert echo.stdin is not None and echo.stdout is not None
+    out, back = echo.stdin.fileno(), echo.stdout.fileno()
+    try:
+        with watchdog(WAKE_PROBE_TIMEOUT_S):  # a blocked read is interrupted, not waited out
+            for _ in range(warmup):
+                _bounce(out, back)
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            for _ in range(rounds):
+                _bounce(out, back)
+            wall, cpu = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
+    finally:
+        echo.stdin.close()  # its read ends: it exits
+        try:
+            echo.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            echo.kill()
+            echo.wait(timeout=10)
+        echo.stdout.close()
+    return WakeCost(wall / rounds / 1e3, cpu / rounds / 1e3)
+
+
+def _bounce(out: int, back: int) -> None:
+    try:
+        os.write(out, b"x")
+        echoed = os.read(back, 1)
+    except BrokenPipeError:
+        echoed = b""
+    if echoed != b"x":
+        raise RuntimeError("the wake probe's echo process ended early")
+
+
+def wake_cost_text(wake: WakeCost) -> str:
+    return (
+        f"wake cost: a byte bounced through a pipe to another process and back takes "
+        f"{wake.round_trip_us:,.1f} us here, {wake.cpu_us:,.1f} us of this process's CPU "
+        f"(one write and one blocking read)"
+    )
 
 
 def scale_budget_text(results: list[RowResult], penalty: IdlePenalty) -> list[str]:
@@ -2310,6 +2393,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = select(table, args.scenarios, args.scale, args.quick)
     start = time.perf_counter()
     penalty = idle_penalty(args.quick)  # first, on a machine no row has loaded yet
+    wake = wake_cost(args.quick)
     cells = run_all(scenarios, set(args.rows or ALL_ROWS), cfg, args.repeat)
     # Ratios and targets judge the medians, through the same code as a single run.
     results = [combine_runs(runs) for runs in cells]
@@ -2329,13 +2413,13 @@ def main(argv: list[str] | None = None) -> int:
         *packing_text(results),
         *floor_text(verdicts, floor),
     ]
-    print("\n" + "\n".join([idle_penalty_text(penalty), *budgets]))
+    print("\n" + "\n".join([idle_penalty_text(penalty), wake_cost_text(wake), *budgets]))
     rounds = f" x {args.repeat} rounds (medians)" if args.repeat > 1 else ""
     print(
         f"\n{len(results)} rows{rounds} in {wall_s:.1f} s{per_worker}; targets are informational."
     )
     if args.json:
-        run_meta = meta(args, cfg, wall_s, penalty)
+        run_meta = meta(args, cfg, wall_s, penalty, wake)
         write_json(args.json, results, verdicts, run_meta, cells, floor)
     if args.plot:
         write_plot(args.plot, results)

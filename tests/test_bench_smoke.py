@@ -390,6 +390,26 @@ def test_the_idle_penalty_is_measured_and_each_scale_row_gets_its_cpu_budget(qui
     ]
 
 
+def test_the_wake_cost_is_measured_and_printed(quick_run):
+    proc, out = quick_run
+    wake = json.loads((out / "r.json").read_text())["meta"]["wake_cost"]
+    assert set(wake) == {"round_trip_us", "cpu_us"}
+    # A round trip through another process cannot take less than this process's part of it.
+    assert 0 < wake["cpu_us"] <= wake["round_trip_us"] < 10_000
+    assert (
+        f"wake cost: a byte bounced through a pipe to another process and back takes "
+        f"{wake['round_trip_us']:,.1f} us here, {wake['cpu_us']:,.1f} us of this process's CPU"
+    ) in proc.stdout
+
+
+def test_the_wake_probe_fails_loudly_when_its_echo_process_ends(monkeypatch):
+    """A far end that exits at once must not leave the probe blocked on its read."""
+    bench = load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "_ECHO_BYTES", "pass")
+    with pytest.raises(RuntimeError, match="echo process ended early"):
+        bench.wake_cost(quick=True)
+
+
 def test_a_scale_row_s_own_cpu_per_env_step_bounds_its_share_of_ideal(monkeypatch):
     """512 envs stepping every 50 ms at 273 us of CPU each need 2.80 CPUs: 2 allow 72% of
     ideal; 128 envs at 539 us need 1.38 (100% allowed); a row without a CPU figure says
