@@ -403,7 +403,7 @@ def test_the_wake_cost_is_measured_and_printed(quick_run):
 
 
 def test_the_wake_probe_fails_loudly_when_its_echo_process_ends(monkeypatch):
-    """A far end that exits at once must not leave the probe blocked on its read."""
+    """A far end that exits at once is an error that says so, not a figure of empty reads."""
     bench = load_bench(monkeypatch)
     monkeypatch.setattr(bench, "_ECHO_BYTES", "pass")
     with pytest.raises(RuntimeError, match="echo process ended early"):
