@@ -283,6 +283,20 @@ class TestCountingPool:
         o, z = pair.both(run)
         assert_same_td(o, z, f"step() with float ones of shape {shape}")
 
+    @pytest.mark.parametrize("call", ["step", "step_and_maybe_reset"])
+    def test_sync_calls_index_a_tensordict_without_env_index(self, pair, call):
+        # The input carries no env_index (a policy's output, say): both pools index
+        # every row themselves, step every env and return its env_index in order.
+        def run(p):
+            return getattr(p, call)(with_ones(p, p.reset().exclude(ENV_INDEX)))
+
+        o, z = pair.both(run)
+        if call == "step":
+            assert_same_td(o, z, "step() of a tensordict without env_index")
+        else:
+            assert_same_td(o[0], z[0], "step_and_maybe_reset() without env_index: result")
+            assert_same_td(o[1], z[1], "step_and_maybe_reset() without env_index: next root")
+
     def test_private_step(self, pair):
         o, z = pair.both(lambda p: p._step(with_ones(p, p.reset())))
         assert_same_td(o, z, "_step()")
