@@ -38,7 +38,7 @@ import zmq
 from zmqpool import forkservers
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
-from zmqpool.codec import layout_of
+from zmqpool.codec import DecodedPart, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import (
     Endpoints,
@@ -53,14 +53,15 @@ from zmqpool.intake import Intake
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
 from zmqpool.layout import max_message_bytes
 from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
+from zmqpool.outbox import Outbox
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
 from zmqpool.ray_workers import LaunchContext, RemoteLauncher
-from zmqpool.roster import EnvPhase, Roster, WorkerPhase, WorkerRecord
+from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
-from zmqpool.wire import Command, Header, Row, batch_messages, joined_messages, message_frames
+from zmqpool.wire import Command, Header, Row, batch_messages, message_frames
 
 #: How often construction asks launched workers whether one has given up (each
 #: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
@@ -149,7 +150,7 @@ class Runtime:
         self.liveness = Liveness(config.heartbeat_timeout_s, 2 * config.heartbeat_interval_s)
         self.events: list[Event] = []
         # Commands awaiting the end of send_all(), per worker (None: send each at once).
-        self._outbox: dict[tuple[bytes, bool], list[Row | list[Any]]] | None = None
+        self._outbox: Outbox | None = None
         self.intake = Intake(self.roster, self.ledger, self.liveness)
         self.registrar = Registrar(
             self.roster,
@@ -386,6 +387,10 @@ class Runtime:
         fresh = command is not Command.SEED and record.phase is EnvPhase.FRESH
         if fresh and not resets:  # what begin() will say
             command, payload, pending.synth = Command.RESET, None, True
+        outbox = self._outbox if link.batches else None  # within send_all(): with its others
+        if outbox is not None and type(payload) is DecodedPart and pending.body is None:
+            self._keep_row(env, pending, link, outbox, fresh)  # sent as it came: no synth
+            return
         # Encoded only if sent: encoding announces its layout on this connection.
         if payload is None:
             parts, largest = [], 0
@@ -401,22 +406,33 @@ class Runtime:
         if fresh:
             self.roster.begin(env, resets)
         pending.sent_at = time.monotonic()
-        if self._outbox is not None and link.batches:  # within send_all(): with its others
+        if outbox is not None:
             # Kept as a row: rows of one command and layout go as one COMMANDS.
             entry: Row | list[Any] = (
                 Row(command, env, pending.seq, parts)
                 if pending.body is None
                 else message_frames(command, env, pending.seq, b"", pending.body, parts)
             )
-            key = (link.identity, link.remote)
-            queued = self._outbox.get(key)
-            if queued is None:  # not setdefault: that builds a list for every row
-                self._outbox[key] = [entry]
-            else:
-                queued.append(entry)
+            outbox.add(link, entry)
             return
         frames = message_frames(command, env, pending.seq, b"", pending.body, parts)
         self.broker.route(link.identity, frames, link.remote)
+
+    def _keep_row(
+        self, env: int, pending: Pending, link: Link, outbox: Outbox, fresh: bool
+    ) -> None:
+        """:meth:`dispatch` of a packed row (its payload) into ``outbox``, encoded there
+        with its worker's others. ``fresh``: the env is fresh, and this is its reset."""
+        part = pending.payload
+        assert type(part) is DecodedPart
+        largest = part.layout.largest_frame  # an encoded part's is its layout's too
+        if largest > link.decoder.max_frame_bytes:  # as dispatch() refuses it
+            self._refuse_oversized(env, pending, largest, link.decoder.max_frame_bytes)
+            return
+        if fresh:
+            self.roster.begin(env, True)
+        pending.sent_at = time.monotonic()
+        outbox.add(link, (pending.command, env, pending.seq, part))
 
     def send_all(
         self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool
@@ -434,16 +450,15 @@ class Runtime:
             # their workers later (measured: ~4% of a cheap env's steps/s).
             self._send_each(envs, command, payloads, per_env)
             return
-        self._outbox = {}
+        outbox = self._outbox = Outbox()
         try:
             self._send_each(envs, command, payloads, per_env)
         finally:
-            outbox, self._outbox = self._outbox, None
-            for (identity, remote), entries in outbox.items():
-                messages = joined_messages(entries, b"")
+            self._outbox = None
+            for link, messages in outbox.messages():
                 batches = messages if len(messages) == 1 else batch_messages(messages, -1)
                 for frames in batches:
-                    self.broker.route(identity, frames, remote)
+                    self.broker.route(link.identity, frames, link.remote)
 
     def _send_each(
         self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool

@@ -583,19 +583,46 @@ def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
     if len(rows) == 1:
         return rows[0].message(token)
     first = rows[0]
-    body: dict[str, Any] = {"envs": [r.env for r in rows], "seqs": [r.seq for r in rows]}
-    if first.command == Command.RESULT:
-        header = Header(Command.RESULTS, first.env, 0, token)
-    else:
-        header = Header(Command.COMMANDS, first.env, 0, token)
-        body["c"] = int(first.command)
-    frames: list[Any] = [_pack_header(header, [p.layout_id for p in first.parts], body)]
+    envs, seqs = [r.env for r in rows], [r.seq for r in rows]
+    header = _joined_header(first.command, envs, seqs, [p.layout_id for p in first.parts], token)
     if len(first.parts) == 1 and len(first.parts[0].frames) == 1:  # rows share layouts
-        frames.append(b"".join([r.parts[0].frames[0] for r in rows]))  # most: one frame each
-        return frames
-    columns = zip(*[[f for p in r.parts for f in p.frames] for r in rows], strict=True)
-    frames += [b"".join(column) for column in columns]
-    return frames
+        return [header, b"".join([r.parts[0].frames[0] for r in rows])]  # most: one frame each
+    return [header, *_columns([[f for p in r.parts for f in p.frames] for r in rows])]
+
+
+def packed_rows_message(
+    command: Command, rows: Sequence[tuple[Command, int, int, Any]], layout_id: int
+) -> list[Any]:
+    """The COMMANDS :func:`pack_rows` makes of two or more rows ``(command, env, seq, part)``
+    that join, each one part of layout ``layout_id`` (its frames: ``part.buffers``),
+    without encoding each row on its own."""
+    envs, seqs = [row[1] for row in rows], [row[2] for row in rows]
+    header = _joined_header(command, envs, seqs, [layout_id], b"")
+    buffers = [row[3].buffers for row in rows]
+    if len(buffers[0]) == 1:
+        return [header, b"".join([frames[0] for frames in buffers])]
+    return [header, *_columns(buffers)]
+
+
+def _joined_header(
+    command: Command, envs: list[int], seqs: list[int], layouts: list[int], token: bytes
+) -> bytes:
+    """The header frame of rows ``command`` joined: RESULTS for results, else COMMANDS.
+
+    The first env is the header's own (the one its sender is found by).
+    """
+    body: dict[str, Any] = {"envs": envs, "seqs": seqs}
+    if command == Command.RESULT:
+        header = Header(Command.RESULTS, envs[0], 0, token)
+    else:
+        header = Header(Command.COMMANDS, envs[0], 0, token)
+        body["c"] = int(command)
+    return _pack_header(header, layouts, body)
+
+
+def _columns(rows_frames: list[list[Any]]) -> list[bytes]:
+    """Frame ``i`` of every row, joined in row order, for each ``i``."""
+    return [b"".join(column) for column in zip(*rows_frames, strict=True)]
 
 
 def results_rows(header: Header, max_rows: int) -> tuple[list[int], list[int]]:
