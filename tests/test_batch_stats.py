@@ -2,7 +2,7 @@
 
 The live comparison with torchrl's shared-memory pool is in
 ``tests/test_conformance.py`` (``TestStats``); this pins each figure's arithmetic,
-which the recv and send paths feed once per call, not once per env.
+as the recv and send paths feed it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def test_each_figure_from_two_recvs_and_their_actions():
     clock = Clock()
     stats = BatchStats(clock)
     clock.now = 10.0
-    stats.record_batch([0, 1], [9.0, 8.0], max_get=4, track_action=True)  # waited 1 s and 2 s
+    stats.record_batch([(0, 9.0), (1, 8.0)], max_get=4, track_action=True)  # waited 1 s and 2 s
     clock.now = 10.5
     stats.record_actions([1])  # env 1 acted on after 0.5 s; env 0 still held
     clock.now = 12.0
-    stats.record_batch([2], [11.0], max_get=None, track_action=True)
+    stats.record_batch([(2, 11.0)], max_get=None, track_action=True)
     clock.now = 13.0
     stats.record_actions([0, 2, 3])  # 3 s and 1 s; env 3 held no result
     clock.now = 14.0
@@ -47,12 +47,12 @@ def test_reset_results_await_no_action_and_a_result_returned_twice_restarts_its_
     clock = Clock()
     stats = BatchStats(clock)
     clock.now = 1.0
-    stats.record_batch([0], [1.0], max_get=None, track_action=False)  # a reset
+    stats.record_batch([(0, 1.0)], max_get=None, track_action=False)  # a reset
     stats.record_actions([0])
     assert stats.snapshot()["avg_batch_to_action_ms"] == 0.0
-    stats.record_batch([0], [1.0], max_get=None, track_action=True)
+    stats.record_batch([(0, 1.0)], max_get=None, track_action=True)
     clock.now = 2.0
-    stats.record_batch([0], [2.0], max_get=None, track_action=True)  # held again: from now
+    stats.record_batch([(0, 2.0)], max_get=None, track_action=True)  # held again: from now
     clock.now = 2.25
     stats.record_actions([0])
     assert stats.snapshot()["avg_batch_to_action_ms"] == pytest.approx(250.0)

@@ -12,7 +12,6 @@ event loop are the :class:`~zmqpool.runtime.Runtime`'s.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -376,10 +375,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self, kind: Kind, min_get, env_index, max_get, timeout
     ) -> tuple[TensorDictBase, TensorDictBase | None]:
         replies = self._recv(kind, min_get, env_index, max_get, timeout)
+        ready_at = [(r.env, r.ready_at) for r in replies]
         per_env = env_index is not None
-        envs, arrivals = list(map(_ENV, replies)), list(map(_READY_AT, replies))
-        capacity = 1 if per_env else max_get
-        self._batch_stats.record_batch(envs, arrivals, capacity, kind != Kind.RESET)
+        self._batch_stats.record_batch(ready_at, 1 if per_env else max_get, kind != Kind.RESET)
         if per_env:  # torchrl's per-env channel: the env's own tensordict
             return self._assembler.assemble_one(replies[0])
         return self._assembler.assemble(replies)
@@ -403,7 +401,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_recv_args(kind, min_get, max_get, timeout)
         replies = self._runtime.collect((kind, None), min_get, max_get, timeout, self._raise_taken)
         replies = self._note_restarted(replies)
-        self._busy.difference_update(map(_ENV, replies))
+        self._busy.difference_update([r.env for r in replies])
         return replies
 
     def _note_restarted(self, replies: list[Reply]) -> list[Reply]:
@@ -544,8 +542,3 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-#: A reply's env and arrival time, read in C (a comprehension runs Python code per reply).
-_ENV = operator.attrgetter("env")
-_READY_AT = operator.attrgetter("ready_at")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import repeat
 from typing import Any
 
 from zmqpool.roster import EnvRecord
@@ -87,7 +86,7 @@ class BatchStats:
 
     Example:
         >>> stats = BatchStats(clock=iter([0.0, 1.0, 2.0]).__next__)
-        >>> stats.record_batch([0, 1], [0.0, 0.0], max_get=4, track_action=True)
+        >>> stats.record_batch([(0, 0.0), (1, 0.0)], max_get=4, track_action=True)
         >>> stats.snapshot()["batch_fill_ratio"]
         0.5
     """
@@ -107,36 +106,35 @@ class BatchStats:
         self.busy_started_s: float | None = None
 
     def record_batch(
-        self, envs: list[int], arrivals: list[float], max_get: int | None, track_action: bool
+        self, ready_at: list[tuple[int, float]], max_get: int | None, track_action: bool
     ) -> None:
-        """A recv returned results of ``envs``, arrived at ``arrivals`` (monotonic, in order);
-        step results await an action."""
+        """A recv returned results ``(env, arrival time)``; step results await an action."""
         now = self._clock()
         if self.started_s is None:
             self.started_s = now
-        count = len(envs)
         self.batches += 1
-        self.items += count
-        self.capacity += count if max_get is None else max_get
-        if max_get is not None and count < max_get:
+        self.items += len(ready_at)
+        self.capacity += len(ready_at) if max_get is None else max_get
+        if max_get is not None and len(ready_at) < max_get:
             self.partial += 1
-        if track_action:
-            if not self.leased_at:
-                self.busy_started_s = now
-            self.leased_at.update(dict.fromkeys(envs, now))
-        # Sums, not a loop: this runs for every recv, with an item for every env-step.
-        self.ready_dwell_s += count * now - sum(arrivals)
-        self.ready_count += count
+        if track_action and not self.leased_at:
+            self.busy_started_s = now
+        for env, arrived in ready_at:
+            if track_action:
+                self.leased_at[env] = now
+            self.ready_dwell_s += now - arrived
+            self.ready_count += 1
 
     def record_actions(self, envs: list[int]) -> None:
         """Actions were sent to ``envs`` (one call's): each ends the wait its last result began."""
         if not self.leased_at:
             return
         now = self._clock()
-        pop = self.leased_at.pop
-        leased = [at for at in map(pop, envs, repeat(None)) if at is not None]
-        self.action_dwell_s += len(leased) * now - sum(leased)
-        self.action_count += len(leased)
+        for env in envs:
+            leased_at = self.leased_at.pop(env, None)
+            if leased_at is not None:
+                self.action_dwell_s += now - leased_at
+                self.action_count += 1
         if not self.leased_at and self.busy_started_s is not None:
             self.busy_s += now - self.busy_started_s
             self.busy_started_s = None
