@@ -31,20 +31,11 @@ KeptRow = tuple[Command, int, int, DecodedPart]
 
 
 class Outbox:
-    """A call's messages per worker connection, in the order they were added.
-
-    Example (no worker is needed to hold rows; ``messages`` joins them):
-        >>> Outbox().empty
-        True
-    """
+    """A call's messages per worker connection, in the order they were added."""
 
     def __init__(self) -> None:
         # (identity, remote) -> the link and what it is sent: kept rows, Rows, whole messages.
         self._queues: dict[tuple[bytes, bool], tuple[Link, list[KeptRow | Row | list[Any]]]] = {}
-
-    @property
-    def empty(self) -> bool:
-        return not self._queues
 
     def add(self, link: Link, entry: KeptRow | Row | list[Any]) -> None:
         """Queue ``entry`` for ``link``'s worker: a kept row, an encoded Row or a message."""
