@@ -53,17 +53,16 @@ class Outbox:
 
 
 def _messages(link: Link, entries: list[KeptRow | Row | list[Any]]) -> list[list[Any]]:
+    rows = list(entries)
     if len(entries) > 1 and type(entries[0]) is tuple:
         command, env, seq, part = entries[0]  # type: ignore[misc]  # a tuple: a KeptRow
         if _one_layout(entries, command, part):
             first = link.encoder.encode(part)  # announces the layout if the worker lacks it
             if first.new_layout is None:
                 return [packed_rows_message(command, entries, first.layout_id)]  # type: ignore[arg-type]
-            # The first row carries the announcement: it goes alone, the rest joined after it.
-            rows: list[Row | list[Any]] = [Row(command, env, seq, [first])]
-            rows += [_encoded(link, entry) for entry in entries[1:]]
-            return joined_messages(rows, b"")
-    return joined_messages([_encoded(link, entry) for entry in entries], b"")
+            # This first row carries the announcement: it goes alone, the rest joined after it.
+            rows[0] = Row(command, env, seq, [first])
+    return joined_messages([_encoded(link, entry) for entry in rows], b"")
 
 
 def _encoded(link: Link, entry: KeptRow | Row | list[Any]) -> Row | list[Any]:
