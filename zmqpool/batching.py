@@ -21,8 +21,10 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from zmqpool.codec import (
+    NO_VALUES,
     NUMPY_DTYPES,
     ZERO_COPY_THRESHOLD,
+    Buffer,
     DecodedPart,
     as_array,
     flatten,
@@ -107,13 +109,16 @@ def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[De
     has_packed = len(own) < len(leaves)
     parts = []
     if has_packed and not own and size:  # small leaves only (the usual case): a frame a row
+        # Each row bytes of its own, in a tuple: the cyclic collector tracks neither (a list
+        # and a view would be two more objects per request in flight, see NO_VALUES).
+        data = flat.tobytes()
         for start in range(0, rows * size, size):
-            parts.append(DecodedPart(layout, [flat[start : start + size]], []))
+            parts.append(DecodedPart(layout, (data[start : start + size],), NO_VALUES))
         return parts
     for row in range(rows):
-        buffers = [flat[row * size : (row + 1) * size]] if has_packed else []
+        buffers: list[Buffer] = [flat[row * size : (row + 1) * size]] if has_packed else []
         buffers += [np.ascontiguousarray(column[row]).data for column in own]
-        parts.append(DecodedPart(layout, buffers, []))
+        parts.append(DecodedPart(layout, buffers, NO_VALUES))
     return parts
 
 
@@ -133,7 +138,7 @@ def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:
     return tensordict_from_leaves(layout, stacked, values, lead=(len(parts),))
 
 
-def _stack_leaves(layout: Layout, buffers: list[list[memoryview]]) -> list[torch.Tensor]:
+def _stack_leaves(layout: Layout, buffers: list[Sequence[Buffer]]) -> list[torch.Tensor]:
     count = len(buffers)
     frames = [
         _joined([b[i] for b in buffers], count, size) for i, size in enumerate(layout.frame_sizes)
@@ -141,7 +146,7 @@ def _stack_leaves(layout: Layout, buffers: list[list[memoryview]]) -> list[torch
     return [_leaf_of_rows(frames[leaf.frame], leaf, count) for leaf in layout.leaves]
 
 
-def _joined(buffers: list[memoryview], count: int, size: int) -> np.ndarray:
+def _joined(buffers: list[Buffer], count: int, size: int) -> np.ndarray:
     if not size:
         return np.empty((count, 0), dtype=np.uint8)
     return np.frombuffer(bytearray().join(buffers), dtype=np.uint8).reshape(count, size)

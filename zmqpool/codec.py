@@ -18,7 +18,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 import numpy as np
@@ -83,7 +83,7 @@ class EncodedPart:
 
     layout_id: int
     new_layout: dict[str, Any] | None
-    frames: list[Any]
+    frames: Sequence[Any]
     nontensor: list[Any] | None
     layout: Layout
 
@@ -439,6 +439,15 @@ def _class_name_at(key: Key, cls: type) -> str:
 # ---------------------------------------------------------------- decoding
 
 
+#: A part's frame as it holds it: a view on a received frame or a batch, or bytes of its own.
+Buffer = memoryview | bytes
+
+#: The non-tensor values of a part that has none: one shared tuple. A list of its own
+#: would be one more object for the cyclic collector per part, kept with each request in
+#: flight: promoted with it, it brings the trainer's full collections sooner.
+NO_VALUES: tuple[Any, ...] = ()
+
+
 @dataclasses.dataclass(slots=True)
 class DecodedPart:
     """A tensordict still in frames: its layout, its frames (sizes checked), its non-tensors.
@@ -448,8 +457,8 @@ class DecodedPart:
     """
 
     layout: Layout
-    buffers: list[memoryview]
-    nontensor: list[Any]
+    buffers: Sequence[Buffer]
+    nontensor: Sequence[Any]
     _tensors: list[torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -526,8 +535,9 @@ class Decoder:
         if len(frames) != len(sizes):
             expected = len(sizes)
             raise ProtocolError(f"message has {len(frames)} tensor frames, layouts say {expected}")
+        nontensor: Sequence[Sequence[Any]]
         if body is None and plan.tensors_only:  # the rest would check what cannot be wrong
-            nontensor: list[list[Any]] = [[] for _ in layouts]
+            nontensor = [NO_VALUES] * len(layouts)
         else:
             nontensor = _nontensor_lists(body, layouts)
         return _by_part(layouts, _checked_buffers(sizes, frames), nontensor)
@@ -556,11 +566,12 @@ class Decoder:
         if len(joined) == 1 and len(layouts) == 1 and sizes[0]:  # one part, one frame: most
             layout, frame, size = layouts[0], joined[0], sizes[0]
             starts = range(0, rows * size, size)
-            return [[DecodedPart(layout, [frame[at : at + size]], [])] for at in starts]
+            return [[DecodedPart(layout, [frame[at : at + size]], NO_VALUES)] for at in starts]
         out = []
+        none = [NO_VALUES] * len(layouts)
         for r in range(rows):
             buffers = [b[r * n : (r + 1) * n] for b, n in zip(joined, sizes, strict=True)]
-            out.append(_by_part(layouts, buffers, [[] for _ in layouts]))
+            out.append(_by_part(layouts, buffers, none))
         return out
 
     def _plan(self, layout_ids: tuple[int, ...]) -> _Plan:
@@ -666,7 +677,7 @@ def _checked_buffers(sizes: list[int], frames: Sequence[Any]) -> list[memoryview
 
 
 def _by_part(
-    layouts: list[Layout], buffers: list[memoryview], nontensor: list[list[Any]]
+    layouts: list[Layout], buffers: list[memoryview], nontensor: Sequence[Sequence[Any]]
 ) -> list[DecodedPart]:
     """The parts of a message: each layout takes its frames' buffers, in order."""
     if len(layouts) == 1:  # most messages (a step's): every buffer is the one part's
@@ -679,18 +690,26 @@ def _by_part(
     return parts
 
 
-def _unpack(layout: Layout, buffers: Sequence[memoryview]) -> list[torch.Tensor]:
+def _unpack(layout: Layout, buffers: Sequence[Buffer]) -> list[torch.Tensor]:
     """Views on (size-checked) buffers, one per leaf.
 
-    A read-only packed frame (zmq's) is copied once, so that its small leaves
-    are cheap numpy views; a large leaf's own frame is viewed as it is, no copy.
+    A read-only packed frame (zmq's, or bytes) is copied once, so that its small
+    leaves are cheap numpy views; a large leaf's own frame is viewed as it is, no copy.
     """
-    if buffers and buffers[0].readonly and not _all_own(layout):
-        buffers = [memoryview(bytearray(buffers[0])), *buffers[1:]]
-    if not any(buffer.readonly for buffer in buffers):
-        return [_numpy_view(buffers[leaf.frame], leaf) for leaf in layout.leaves]
-    flat = [_as_uint8(buffer) for buffer in buffers]
+    views = _views(buffers)
+    if views and views[0].readonly and not _all_own(layout):
+        views = [memoryview(bytearray(views[0])), *views[1:]]
+    if not any(view.readonly for view in views):
+        return [_numpy_view(views[leaf.frame], leaf) for leaf in layout.leaves]
+    flat = [_as_uint8(view) for view in views]
     return [_torch_view(flat[leaf.frame], leaf) for leaf in layout.leaves]
+
+
+def _views(buffers: Sequence[Buffer]) -> Sequence[memoryview]:
+    """``buffers`` as memoryviews: bytes (a packed row of the trainer's) are viewed."""
+    if buffers and type(buffers[0]) is bytes:  # rows are all bytes or all views
+        return [memoryview(b) for b in buffers]
+    return cast("Sequence[memoryview]", buffers)
 
 
 def _torch_view(flat: torch.Tensor, leaf: Leaf) -> torch.Tensor:

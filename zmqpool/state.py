@@ -56,6 +56,9 @@ KIND_OF: dict[Command, Kind] = {
 
 Channel = tuple[Kind, int | None]
 
+#: Each command's batch channel, one tuple for all its requests (see ``Ledger.open_request``).
+BATCH_CHANNEL: dict[Command, Channel] = {command: (kind, None) for command, kind in KIND_OF.items()}
+
 #: Commands that step an env (a fresh env's first one becomes its reset).
 STEPS = frozenset((Command.STEP, Command.STEP_RAW, Command.STEP_AND_MAYBE_RESET))
 
@@ -120,7 +123,9 @@ class Ledger:
         now: float,
     ) -> Pending:
         slot = self.slots[env]
-        channel: Channel = (KIND_OF[command], env if per_env else None)
+        # A shared batch channel: a tuple per request would outlive young collections
+        # with its request and, promoted, bring full ones sooner.
+        channel = (KIND_OF[command], env) if per_env else BATCH_CHANNEL[command]
         pending = Pending(slot.next_seq, command, channel, inputs, payload, body, now)
         slot.next_seq += 1
         slot.in_flight.append(pending)
