@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
+import zmq
 from tensordict import TensorDict
 
 from zmqpool import ZMQAsyncEnvPool
 from zmqpool.batching import RowPacker
+from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
 from zmqpool.testing import CountingEnv
+from zmqpool.wire import Command, Header, Row, joined_messages
 
 NUM_ENVS = 8
 #: A request's record and its row. Measured: 12 objects for 8 requests (the previous
@@ -69,3 +73,60 @@ def _objects_kept_by_a_send(pool: ZMQAsyncEnvPool) -> int:
     result = pool.async_step_recv(min_get=NUM_ENVS, max_get=NUM_ENVS, timeout=30)
     assert sorted(result["env_index"]) == list(range(NUM_ENVS))
     return grown
+
+
+@pytest.fixture
+def pair():
+    """Two connected sockets: frames received without a copy are zmq's, as the pool's are."""
+    ctx = zmq.Context()  # its own: an inproc name is free again once the context ends
+    send, recv = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    send.bind("inproc://collector-load")
+    recv.connect("inproc://collector-load")
+    yield send, recv
+    send.close(linger=0)
+    recv.close(linger=0)
+    ctx.term()
+
+
+def _through(pair, frames: list) -> tuple[Header, list]:
+    send, recv = pair
+    send.send_multipart(frames)
+    assert recv.poll(5000), "the message did not arrive"
+    received = recv.recv_multipart(copy=False)
+    return Header.decode(received[0].buffer), received[1:]
+
+
+def _result(value: float, large: bool = False) -> TensorDict:
+    td = TensorDict({"obs": torch.full((3,), value), "done": torch.tensor([value > 1])}, [])
+    if large:  # a leaf of its own frame, sent and received without a copy
+        td["pixels"] = torch.full((ZERO_COPY_THRESHOLD,), int(value), dtype=torch.uint8)
+    return td
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_trainer_s_reply_owns_its_small_frames_and_views_its_large_ones(pair, own):
+    encoder, decoder = Encoder(), Decoder(own_small_frames=own)
+    row = Row(Command.RESULT, 0, 1, [encoder.encode(_result(2.0, large=True))])
+    header, frames = _through(pair, row.message(b""))
+    [part] = decoder.decode(header, frames)
+    small, large = part.buffers
+    assert type(small) is (bytes if own else memoryview)
+    assert type(large) is memoryview  # never copied
+    td = part.to_tensordict()
+    assert td["obs"].tolist() == [2.0] * 3 and td["done"].tolist() == [True]
+    assert td["pixels"].unique().tolist() == [2]
+
+
+def test_rows_joined_come_apart_as_bytes_the_collector_does_not_track(pair):
+    encoder, decoder = Encoder(), Decoder(own_small_frames=True)
+    announce = Row(Command.RESULT, 0, 1, [encoder.encode(_result(0.0))])
+    decoder.decode(*_through(pair, announce.message(b"")))
+    rows = [Row(Command.RESULT, env, 2, [encoder.encode(_result(float(env)))]) for env in (1, 2, 3)]
+    [message] = joined_messages(rows, b"")
+    header, frames = _through(pair, message)
+    parts = [row[0] for row in decoder.decode_rows(header, frames, 3)]
+    del frames
+    gc.collect()
+    for part in parts:
+        assert not gc.is_tracked(part.buffers) and not gc.is_tracked(part.nontensor)
+    assert [p.to_tensordict()["obs"].tolist() for p in parts] == [[v] * 3 for v in (1.0, 2.0, 3.0)]

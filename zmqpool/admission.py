@@ -286,7 +286,7 @@ class Registrar:
             os.urandom(16),
             reg.pid,
             reg.incarnation,
-            Decoder(max_layouts=_REMOTE_LAYOUTS if remote else 256, max_frame_bytes=limit),
+            Decoder(_REMOTE_LAYOUTS if remote else 256, limit, own_small_frames=True),
             Encoder(self.config.zero_copy_threshold_bytes),
             record.envs,
             remote,

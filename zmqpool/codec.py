@@ -18,7 +18,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -481,11 +481,23 @@ class Decoder:
     announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive),
     and so is one with more than :data:`~zmqpool.limits.MAX_NONTENSOR_ITEMS`
     non-tensor values.
+
+    ``own_small_frames`` (the trainer's): a part keeps a frame smaller than
+    :data:`ZERO_COPY_THRESHOLD` as bytes of its own, in a tuple, instead of a
+    view on the received frame. A reply waiting for a recv then holds no zmq
+    frame, view or list the cyclic collector tracks (see :data:`NO_VALUES`);
+    larger frames stay views, not copied.
     """
 
-    def __init__(self, max_layouts: int = 256, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        max_layouts: int = 256,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        own_small_frames: bool = False,
+    ) -> None:
         self.max_layouts = max_layouts
         self.max_frame_bytes = max_frame_bytes
+        self.own_below = ZERO_COPY_THRESHOLD if own_small_frames else 0
         self._layouts: dict[int, Layout] = {}
         # A header's layout ids -> what decoding its message needs of them, worked out
         # once: nearly every message repeats the ids of the one before. Cleared
@@ -540,7 +552,7 @@ class Decoder:
             nontensor = [NO_VALUES] * len(layouts)
         else:
             nontensor = _nontensor_lists(body, layouts)
-        return _by_part(layouts, _checked_buffers(sizes, frames), nontensor)
+        return _by_part(layouts, _checked_buffers(sizes, frames, self.own_below), nontensor)
 
     def decode_rows(
         self, header: Header, frames: Sequence[Any], rows: int
@@ -564,13 +576,15 @@ class Decoder:
                     f"joined frame of {buffer.nbytes} bytes where {rows} rows take {rows * size}"
                 )
         if len(joined) == 1 and len(layouts) == 1 and sizes[0]:  # one part, one frame: most
-            layout, frame, size = layouts[0], joined[0], sizes[0]
+            layout, size = layouts[0], sizes[0]
+            frame = joined[0].tobytes() if size < self.own_below else joined[0]
             starts = range(0, rows * size, size)
-            return [[DecodedPart(layout, [frame[at : at + size]], NO_VALUES)] for at in starts]
+            return [[DecodedPart(layout, (frame[at : at + size],), NO_VALUES)] for at in starts]
+        own = [b.tobytes() if n < self.own_below else b for b, n in zip(joined, sizes, strict=True)]
         out = []
         none = [NO_VALUES] * len(layouts)
         for r in range(rows):
-            buffers = [b[r * n : (r + 1) * n] for b, n in zip(joined, sizes, strict=True)]
+            buffers = tuple([b[r * n : (r + 1) * n] for b, n in zip(own, sizes, strict=True)])
             out.append(_by_part(layouts, buffers, none))
         return out
 
@@ -666,18 +680,19 @@ def _bytes_view(frame: Any) -> memoryview:
     return buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
 
 
-def _checked_buffers(sizes: list[int], frames: Sequence[Any]) -> list[memoryview]:
-    buffers = []
+def _checked_buffers(sizes: list[int], frames: Sequence[Any], own_below: int) -> Sequence[Buffer]:
+    """Each frame as a view, size checked; those under ``own_below`` bytes copied (a tuple)."""
+    buffers: list[Buffer] = []
     for frame, size in zip(frames, sizes, strict=True):
         buffer = _buffer(frame)
         if buffer.nbytes != size:
             raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
-        buffers.append(buffer)
-    return buffers
+        buffers.append(buffer.tobytes() if size < own_below else buffer)
+    return tuple(buffers) if own_below else buffers
 
 
 def _by_part(
-    layouts: list[Layout], buffers: list[memoryview], nontensor: Sequence[Sequence[Any]]
+    layouts: list[Layout], buffers: Sequence[Buffer], nontensor: Sequence[Sequence[Any]]
 ) -> list[DecodedPart]:
     """The parts of a message: each layout takes its frames' buffers, in order."""
     if len(layouts) == 1:  # most messages (a step's): every buffer is the one part's
@@ -705,11 +720,9 @@ def _unpack(layout: Layout, buffers: Sequence[Buffer]) -> list[torch.Tensor]:
     return [_torch_view(flat[leaf.frame], leaf) for leaf in layout.leaves]
 
 
-def _views(buffers: Sequence[Buffer]) -> Sequence[memoryview]:
-    """``buffers`` as memoryviews: bytes (a packed row of the trainer's) are viewed."""
-    if buffers and type(buffers[0]) is bytes:  # rows are all bytes or all views
-        return [memoryview(b) for b in buffers]
-    return cast("Sequence[memoryview]", buffers)
+def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """``buffers`` as memoryviews (the trainer's small frames are bytes)."""
+    return [b if type(b) is memoryview else memoryview(b) for b in buffers]
 
 
 def _torch_view(flat: torch.Tensor, leaf: Leaf) -> torch.Tensor:
