@@ -36,6 +36,9 @@ Scenarios (``--num-envs`` envs, 4 by default, unless stated):
   ``/proc/PID/smaps_rollup``). A row whose estimated memory does not fit in
   ``MemAvailable`` is skipped with its reason printed.
 
+Any row whose trainer process ran a full garbage collection in its measured
+window says how many, and their CPU per env-step (part of the trainer's).
+
 Rows: ``zmqpool`` (``ZMQAsyncEnvPool``), ``torchrl-queue`` and ``torchrl-shm``
 (torchrl's ``AsyncEnvPool``, multiprocessing backend) all run the loop a
 trainer runs: send an action to every env, then repeatedly
@@ -122,6 +125,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -415,6 +419,10 @@ class RowResult:
     switches_per_step: float | None = None
     #: Results per ``async_step_recv`` (async loop rows): env-steps over recvs.
     results_per_recv: float | None = None
+    #: This (the trainer's) process's full garbage collections in the measured window,
+    #: and their CPU per env-step (part of ``trainer_cpu_us_per_step``).
+    full_collections: int | None = None
+    gc_us_per_step: float | None = None
     #: Scale rows: closing the pool (draining in-flight steps included).
     close_s: float | None = None
     #: Scale rows: PSS of the process tree (trainer + descendants), total and the trainer's.
@@ -1048,6 +1056,40 @@ class Measurement:
     seconds: float
     tick_s: list[float] = field(default_factory=list)
     usage: Usage | None = None
+    full_collections: FullCollections | None = None
+
+
+class FullCollections:
+    """Counts this process's full (oldest-generation) garbage collections and their CPU.
+
+    With torch and torchrl imported, one walks some 400,000 objects: 100-250 ms
+    of the trainer's CPU here, during which no command is sent. How often they
+    come depends on how many objects outlive the young collections: requests in
+    flight, replies waiting for a recv, results the loop holds. Used as a
+    context manager around the measured window (``gc.callbacks``).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.cpu_s = 0.0
+        self._started: float | None = None
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.thread_time()  # collections run in the thread that allocates
+        elif self._started is not None:
+            self.count += 1
+            self.cpu_s += time.thread_time() - self._started
+            self._started = None
 
 
 @dataclass(frozen=True)
@@ -1144,11 +1186,13 @@ def measure(tick: Tick, cfg: Config) -> Measurement:
     out = Measurement(0, 0.0)
     before = tree_usage()
     start = now = time.perf_counter()
-    while now - start < cfg.seconds:
-        out.steps += tick()
-        after = time.perf_counter()
-        out.tick_s.append(after - now)
-        now = after
+    out.full_collections = FullCollections()
+    with out.full_collections:
+        while now - start < cfg.seconds:
+            out.steps += tick()
+            after = time.perf_counter()
+            out.tick_s.append(after - now)
+            now = after
     out.seconds = now - start
     after_usage = tree_usage()
     if before is not None and after_usage is not None:
@@ -1166,6 +1210,9 @@ def fill_result(result: RowResult, sc: Scenario, m: Measurement) -> None:
     if sc.num_envs == 1 and m.tick_s:
         result.median_latency_us = statistics.median(m.tick_s) * 1e6
     result.ideal_steps_per_s = sc.ideal_steps_per_s(result.num_envs)
+    if m.full_collections is not None and m.steps:
+        result.full_collections = m.full_collections.count
+        result.gc_us_per_step = m.full_collections.cpu_s / m.steps * 1e6
     if m.usage is not None and m.steps:
         result.cpu_us_per_step = m.usage.cpu_s / m.steps * 1e6
         result.trainer_cpu_us_per_step = m.usage.own_cpu_s / m.steps * 1e6
@@ -1613,6 +1660,8 @@ def extra_text(r: RowResult, sc: Scenario | None = None) -> str:
             parts.append(f"close {r.close_s:.1f} s")
         if r.pss_mb_per_env is not None and r.pss_mb is not None:
             parts.append(f"{r.pss_mb_per_env:.1f} MB/env PSS ({r.pss_mb / 1024:.2f} GB)")
+    if r.full_collections and r.gc_us_per_step is not None:
+        parts.append(f"{r.full_collections} full GCs ({r.gc_us_per_step:.1f} us/step)")
     return ", ".join(parts)
 
 

@@ -10,6 +10,7 @@ must, and that the JSON and PNG reports were written.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -184,6 +185,7 @@ def test_cpu_per_step_counts_the_worker_processes(quick_run):
         assert r["cpu_us_per_step"] >= r["trainer_cpu_us_per_step"] * (1 - 1e-9), r
         assert r["trainer_cpu_us_per_step"] >= 0, r
         assert r["switches_per_step"] >= 0, r
+        assert r["full_collections"] >= 0 and r["gc_us_per_step"] >= 0, r
     cells = {(r["scenario"], r["row"]): r for r in results_of(out)}
     # The envs step in the workers: a pool's total is well above its trainer's share,
     # and stepping in-process leaves nothing outside the trainer.
@@ -710,3 +712,16 @@ def test_the_floor_peer_steps_its_env_as_zmqpool_s_workers_do(monkeypatch, tmp_p
     assert not peer.is_alive()
     assert threads == [1]
     assert stepped == ["CountingEnv"]
+
+
+def test_full_collections_are_counted_with_their_cpu_and_young_ones_are_not(monkeypatch):
+    bench = load_bench(monkeypatch)
+    with bench.FullCollections() as watch:
+        gc.collect(0)
+        gc.collect(1)
+        assert watch.count == 0
+        gc.collect()
+        gc.collect()
+    gc.collect()  # after the window: not counted
+    assert watch.count == 2
+    assert watch.cpu_s > 0
