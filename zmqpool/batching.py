@@ -94,32 +94,36 @@ def _row_nbytes(tensor: torch.Tensor) -> int:
 
 def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[DecodedPart]:
     leaves, size = layout.leaves, layout.packed_nbytes
+    if len(leaves) == 1 and not leaves[0].own_frame and leaves[0].nbytes == size and size:
+        return _byte_rows(layout, columns[0].tobytes(), rows)  # one leaf, no padding: an action
     own = []
-    if len(leaves) == 1 and not leaves[0].own_frame and leaves[0].nbytes == size:
-        packed = columns[0].copy()  # one leaf, no padding (an action batch): no zeros to fill
-    else:
-        packed = np.zeros((rows, size), dtype=np.uint8)
-        for leaf, column in zip(leaves, columns, strict=True):
-            if leaf.own_frame:
-                own.append(column)
-            else:
-                packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
-    # A new array either way: the batch may change after the send.
-    flat = packed.reshape(-1).data
+    packed = np.zeros((rows, size), dtype=np.uint8)
+    for leaf, column in zip(leaves, columns, strict=True):
+        if leaf.own_frame:
+            own.append(column)
+        else:
+            packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
     has_packed = len(own) < len(leaves)
-    parts = []
     if has_packed and not own and size:  # small leaves only (the usual case): a frame a row
-        # Each row bytes of its own, in a tuple: the cyclic collector tracks neither (a list
-        # and a view would be two more objects per request in flight, see NO_VALUES).
-        data = flat.tobytes()
-        for start in range(0, rows * size, size):
-            parts.append(DecodedPart(layout, (data[start : start + size],), NO_VALUES))
-        return parts
+        return _byte_rows(layout, packed.tobytes(), rows)
+    flat = packed.reshape(-1).data  # a new array: the batch may change after the send
+    parts = []
     for row in range(rows):
         buffers: list[Buffer] = [flat[row * size : (row + 1) * size]] if has_packed else []
         buffers += [np.ascontiguousarray(column[row]).data for column in own]
         parts.append(DecodedPart(layout, buffers, NO_VALUES))
     return parts
+
+
+def _byte_rows(layout: Layout, data: bytes, rows: int) -> list[DecodedPart]:
+    """Each row of ``data`` (a copy: the batch may change after the send) a part of its own.
+
+    Bytes in a tuple: the cyclic collector tracks neither (a list and a view
+    would be two more objects per request in flight, see ``NO_VALUES``).
+    """
+    size = layout.packed_nbytes
+    starts = range(0, rows * size, size)
+    return [DecodedPart(layout, (data[at : at + size],), NO_VALUES) for at in starts]
 
 
 def stack_parts(parts: Sequence[DecodedPart]) -> TensorDict:

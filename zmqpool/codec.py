@@ -575,12 +575,12 @@ class Decoder:
                 raise ProtocolError(
                     f"joined frame of {buffer.nbytes} bytes where {rows} rows take {rows * size}"
                 )
-        if len(joined) == 1 and len(layouts) == 1 and sizes[0]:  # one part, one frame: most
-            layout, size = layouts[0], sizes[0]
-            frame = joined[0].tobytes() if size < self.own_below else joined[0]
+        # Rows under own_below bytes are copied once, then sliced: bytes of their own.
+        own = [b.tobytes() if n < self.own_below else b for b, n in zip(joined, sizes, strict=True)]
+        if len(own) == 1 and len(layouts) == 1 and sizes[0]:  # one part, one frame: most
+            layout, frame, size = layouts[0], own[0], sizes[0]
             starts = range(0, rows * size, size)
             return [[DecodedPart(layout, (frame[at : at + size],), NO_VALUES)] for at in starts]
-        own = [b.tobytes() if n < self.own_below else b for b, n in zip(joined, sizes, strict=True)]
         out = []
         none = [NO_VALUES] * len(layouts)
         for r in range(rows):
