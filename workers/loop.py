@@ -101,6 +101,7 @@ from zmqpool.wire import (
     Row,
     batch_messages,
     command_rows,
+    holds_replies,
     joined_messages,
     split_batch,
 )
@@ -110,8 +111,14 @@ log = logging.getLogger("workers")
 #: A batch run inline keeps its replies to send them together, but not past a
 #: command whose env took longer than this last time: a reply then goes before
 #: that env runs, so it never waits on a slow env. Cheap envs' replies (tens to
-#: hundreds of us a step) still go as one message.
-_HOLD_FOR_S = 0.001
+#: hundreds of us a step) still go as one message. A COMMANDS that asks for its
+#: replies to be held (the pool waits for several: wire.holds_replies) passes an
+#: env only if both of its last two commands took longer: on a busy machine one
+#: cheap command in ten took over 1 ms of wall time (preempted, not slow), and
+#: each split cost the pool a message and a wake-up (docs/PERFORMANCE.md, session 46).
+HOLD_FOR_S = 0.001
+#: An env's last two command times before it ran any inline.
+_NEVER_RAN = (0.0, 0.0)
 
 #: The commands that run on an env (the others are the connection's own).
 _ENV_COMMANDS = frozenset(
@@ -214,8 +221,9 @@ class Worker:
         self._encoding = threading.Lock()
         #: The replies of a batch run inline, kept until it ends (None: each sent at once).
         self._outbox: list[Row | list[Any]] | None = None
-        #: How long each hosted env's last command run inline took (s).
-        self._step_s: dict[int, float] = {}
+        #: How long each hosted env's last two commands run inline took (s): the one
+        #: before, then the last.
+        self._step_s: dict[int, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -508,6 +516,7 @@ class Worker:
             for command in commands:
                 # A COMMANDS is taken apart when its turn comes: its error replies keep their place.
                 rows = self._rows_of(command)
+                hold = command.header.command == Command.COMMANDS and holds_replies(command.header)
                 # One probe first, while no env thread has anything to run (it is then
                 # judged clean); then the rows for env threads: a cheap env stepping
                 # inline never waits for one of them to be handed to its thread (each
@@ -518,23 +527,31 @@ class Worker:
                 for row in threaded:
                     self._handle_command(row, inline=False)
                 for row in inline_rows:
-                    if not self._handle_inline(row, inline):
+                    if not self._handle_inline(row, inline, hold):
                         return False
             return True
         finally:
             self._flush_outbox()
 
-    def _handle_inline(self, row: _Command, timed: bool) -> bool:
-        """Handle a command that may run inline; ``timed``: note how long its env took."""
+    def _handle_inline(self, row: _Command, timed: bool, hold: bool = False) -> bool:
+        """Handle a command that may run inline; ``timed``: note how long its env took;
+        ``hold``: its message asked for its replies to be held (see :data:`HOLD_FOR_S`)."""
         env = row.header.env
-        if self._outbox and self._step_s.get(env, 0.0) > _HOLD_FOR_S:
+        if self._outbox and self._slow(env, hold):
             self._flush_outbox(reopen=True)  # kept replies never wait on a slow env
         started = time.perf_counter()
         if not self._handle_command(row, inline=True):
             return False
         if timed and env in self.host.envs:
-            self._step_s[env] = time.perf_counter() - started
+            took = time.perf_counter() - started
+            self._step_s[env] = (self._step_s.get(env, _NEVER_RAN)[1], took)
         return True
+
+    def _slow(self, env: int, hold: bool) -> bool:
+        """Whether kept replies go before env ``env`` runs: its last command took longer
+        than :data:`HOLD_FOR_S`; held (``hold``), its last two did."""
+        before, last = self._step_s.get(env, _NEVER_RAN)
+        return (min(before, last) if hold else last) > HOLD_FOR_S
 
     def _placed(
         self, rows: list[_Command]

@@ -46,23 +46,25 @@ class Outbox:
         else:
             queued[1].append(entry)
 
-    def messages(self) -> Iterator[tuple[Link, list[list[Any]]]]:
-        """Each worker's link and its messages, rows joined where they may be."""
+    def messages(self, hold: bool = False) -> Iterator[tuple[Link, list[list[Any]]]]:
+        """Each worker's link and its messages, rows joined where they may be; ``hold``:
+        each COMMANDS asks its worker to keep its replies together
+        (:func:`~zmqpool.wire.holds_replies`)."""
         for link, entries in self._queues.values():
-            yield link, _messages(link, entries)
+            yield link, _messages(link, entries, hold)
 
 
-def _messages(link: Link, entries: list[KeptRow | Row | list[Any]]) -> list[list[Any]]:
+def _messages(link: Link, entries: list[KeptRow | Row | list[Any]], hold: bool) -> list[list[Any]]:
     rows = list(entries)
     if len(entries) > 1 and type(entries[0]) is tuple:
         command, env, seq, part = entries[0]  # type: ignore[misc]  # a tuple: a KeptRow
         if _one_layout(entries, command, part):
             first = link.encoder.encode(part)  # announces the layout if the worker lacks it
             if first.new_layout is None:
-                return [packed_rows_message(command, entries, first.layout_id)]  # type: ignore[arg-type]
+                return [packed_rows_message(command, entries, first.layout_id, hold)]  # type: ignore[arg-type]
             # This first row carries the announcement: it goes alone, the rest joined after it.
             rows[0] = Row(command, env, seq, [first])
-    return joined_messages([_encoded(link, entry) for entry in rows], b"")
+    return joined_messages([_encoded(link, entry) for entry in rows], b"", hold)
 
 
 def _encoded(link: Link, entry: KeptRow | Row | list[Any]) -> Row | list[Any]:

@@ -151,6 +151,9 @@ class Runtime:
         self.events: list[Event] = []
         # Commands awaiting the end of send_all(), per worker (None: send each at once).
         self._outbox: Outbox | None = None
+        #: Whether the last recv waited for several results: a call's commands joined to a
+        #: worker then ask it to keep their replies together (wire: rows joined, "h").
+        self.hold_replies = False
         self.intake = Intake(self.roster, self.ledger, self.liveness)
         self.registrar = Registrar(
             self.roster,
@@ -455,7 +458,7 @@ class Runtime:
             self._send_each(envs, command, payloads, per_env)
         finally:
             self._outbox = None
-            for link, messages in outbox.messages():
+            for link, messages in outbox.messages(self.hold_replies):
                 batches = messages if len(messages) == 1 else batch_messages(messages, -1)
                 for frames in batches:
                     self.broker.route(link.identity, frames, link.remote)
@@ -521,6 +524,7 @@ class Runtime:
         A ready error is handed to ``raise_error``, which raises it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.hold_replies = min_get > 1
         # With too few ready, the first wait takes what is queued at once: a look
         # without waiting before it would be one more poll (~9 us) for every recv.
         looked = self.ledger.count_ready(channel) >= min_get

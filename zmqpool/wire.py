@@ -164,7 +164,12 @@ checks of a ``RESULTS`` (its own envs as the bound); a frame that is not
 ``rows`` times its layout's answers every env of it with an error (malformed
 command). A row that announces a layout, or carries non-tensors, breaks the
 run and goes as its own message in its place, so a layout is always
-announced before a joined row uses it.
+announced before a joined row uses it. The body may also hold ``"h": true``
+(:func:`holds_replies`; anything else there drops the message): the pool's
+last recv waited for several results, so the worker should keep this
+message's replies together, sending those it kept before an env only when
+that env was slow in both of its last two commands, not in its last alone
+(``workers.loop``).
 
 Limits. Every count, length and size a peer sends is held to a bound of
 :mod:`zmqpool.limits` before anything is allocated. A layout is refused when it
@@ -214,7 +219,9 @@ if TYPE_CHECKING:
 #: (:data:`Command.RESULTS`), which a version-3 pool would drop.
 #: 5: the commands of several envs may travel with their rows joined
 #: (:data:`Command.COMMANDS`), which a version-4 worker would drop.
-PROTOCOL_VERSION = 5
+#: 6: a COMMANDS may ask its worker to keep its replies together (body ``"h"``),
+#: which a version-5 worker would drop.
+PROTOCOL_VERSION = 6
 
 
 class Command(enum.IntEnum):
@@ -231,7 +238,7 @@ class Command(enum.IntEnum):
     WELCOME = 8  # registration accepted: body["reg"] has token and env indices
     REFUSE = 9  # registration refused: body["err"]
     PING = 10  # the pool's heartbeat
-    COMMANDS = 11  # several envs' commands, rows joined: body["c"], body["envs"], body["seqs"]
+    COMMANDS = 11  # several envs' commands, rows joined: body["c"], "envs", "seqs" (and "h")
     # worker -> pool, on the broker's ROUTER
     REGISTER = 20  # body["reg"]: env indices, specs, pid
     FAILED = 21  # building an env failed: body["err"], body["tb"]
@@ -496,7 +503,9 @@ JOINABLE_COMMANDS = frozenset(
 )
 
 
-def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[list[Any]]:
+def joined_messages(
+    outbox: Sequence[Row | list[Any]], token: bytes, hold: bool = False
+) -> list[list[Any]]:
     """Kept commands or replies as messages: runs of rows of one command and layouts joined.
 
     Consecutive joinable :class:`Row` s of one :meth:`Row.join_key` become one
@@ -505,9 +514,10 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     second row of an env begins the next run); any other row becomes its own
     message, and a message (an error reply, a command with a body) stays as it
     is. The order is kept: a row may use a layout an earlier message announced.
+    ``hold``: each COMMANDS asks its worker to keep its replies together (:func:`holds_replies`).
     """
     if len(outbox) > 1 and _one_run(outbox):  # the usual outbox: one worker's rows of one step
-        return [pack_rows(outbox, token)]  # type: ignore[arg-type]  # all Rows: _one_run says
+        return [pack_rows(outbox, token, hold)]  # type: ignore[arg-type]  # all Rows: _one_run says
     out: list[list[Any]] = []
     run: list[Row] = []
     key: tuple[Command | int, ...] | None = None  # the run's (Row.join_key)
@@ -516,21 +526,21 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
     for entry in outbox:
         if not isinstance(entry, Row):
             if run:
-                out.append(pack_rows(run, token))
+                out.append(pack_rows(run, token, hold))
                 run, envs, nbytes = [], set(), 0
             out.append(entry)
             continue
         row_nbytes = entry.joinable_nbytes()
         if row_nbytes is None:  # announces, carries non-tensors, or is large: alone
             if run:
-                out.append(pack_rows(run, token))
+                out.append(pack_rows(run, token, hold))
                 run, envs, nbytes = [], set(), 0
             out.append(entry.message(token))
             continue
         row_key = entry.join_key()
         joins = row_key == key and entry.env not in envs
         if run and not (joins and nbytes + row_nbytes <= MAX_BATCH_BYTES):
-            out.append(pack_rows(run, token))
+            out.append(pack_rows(run, token, hold))
             run, envs, nbytes = [], set(), 0
         if run or _may_join(entry.command):
             run.append(entry)  # a row that joins the run's first has its command
@@ -540,7 +550,7 @@ def joined_messages(outbox: Sequence[Row | list[Any]], token: bytes) -> list[lis
         else:
             out.append(entry.message(token))
     if run:
-        out.append(pack_rows(run, token))
+        out.append(pack_rows(run, token, hold))
     return out
 
 
@@ -572,7 +582,7 @@ def _may_join(command: Command) -> bool:
     return command == Command.RESULT or command in JOINABLE_COMMANDS
 
 
-def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
+def pack_rows(rows: Sequence[Row], token: bytes, hold: bool = False) -> list[Any]:
     """One RESULTS or COMMANDS message for ``rows`` (which join); a single row: its message.
 
     Frame ``i`` after the header is every row's frame ``i``, back to back in
@@ -584,20 +594,24 @@ def pack_rows(rows: Sequence[Row], token: bytes) -> list[Any]:
         return rows[0].message(token)
     first = rows[0]
     envs, seqs = [r.env for r in rows], [r.seq for r in rows]
-    header = _joined_header(first.command, envs, seqs, [p.layout_id for p in first.parts], token)
+    layouts = [p.layout_id for p in first.parts]
+    header = _joined_header(first.command, envs, seqs, layouts, token, hold)
     if len(first.parts) == 1 and len(first.parts[0].frames) == 1:  # rows share layouts
         return [header, b"".join([r.parts[0].frames[0] for r in rows])]  # most: one frame each
     return [header, *_columns([[f for p in r.parts for f in p.frames] for r in rows])]
 
 
 def packed_rows_message(
-    command: Command, rows: Sequence[tuple[Command, int, int, Any]], layout_id: int
+    command: Command,
+    rows: Sequence[tuple[Command, int, int, Any]],
+    layout_id: int,
+    hold: bool = False,
 ) -> list[Any]:
     """The COMMANDS :func:`pack_rows` makes of two or more rows ``(command, env, seq, part)``
     that join, each one part of layout ``layout_id`` (its frames: ``part.buffers``),
     without encoding each row on its own."""
     envs, seqs = [row[1] for row in rows], [row[2] for row in rows]
-    header = _joined_header(command, envs, seqs, [layout_id], b"")
+    header = _joined_header(command, envs, seqs, [layout_id], b"", hold)
     buffers = [row[3].buffers for row in rows]
     if len(buffers[0]) == 1:
         return [header, b"".join([frames[0] for frames in buffers])]
@@ -605,9 +619,15 @@ def packed_rows_message(
 
 
 def _joined_header(
-    command: Command, envs: list[int], seqs: list[int], layouts: list[int], token: bytes
+    command: Command,
+    envs: list[int],
+    seqs: list[int],
+    layouts: list[int],
+    token: bytes,
+    hold: bool = False,
 ) -> bytes:
-    """The header frame of rows ``command`` joined: RESULTS for results, else COMMANDS.
+    """The header frame of rows ``command`` joined: RESULTS for results, else COMMANDS
+    (``hold``: with ``"h": true``, see :func:`holds_replies`).
 
     The first env is the header's own (the one its sender is found by).
     """
@@ -617,6 +637,8 @@ def _joined_header(
     else:
         header = Header(Command.COMMANDS, envs[0], 0, token)
         body["c"] = int(command)
+        if hold:
+            body["h"] = True
     return _pack_header(header, layouts, body)
 
 
@@ -646,13 +668,28 @@ def command_rows(header: Header, max_rows: int) -> tuple[Command, list[int], lis
     business (a command for an env it does not host is answered with an error).
     """
     body = header.body
-    if body is None or body.keys() != {"c", "envs", "seqs"}:
-        raise ProtocolError('a COMMANDS body must hold exactly "c", "envs" and "seqs"')
+    if body is None or not _COMMANDS_KEYS <= body.keys() <= _COMMANDS_KEYS_HELD:
+        raise ProtocolError('a COMMANDS body must hold exactly "c", "envs" and "seqs" (and "h")')
+    if body.get("h", True) is not True:
+        raise ProtocolError(f'a COMMANDS body\'s "h" must be true, not {body["h"]!r}')
     command = _COMMANDS.get(body["c"]) if is_int(body["c"]) else None
     if command not in JOINABLE_COMMANDS:
         raise ProtocolError(f"COMMANDS of {body['c']!r}, not a command that may be joined")
     envs, seqs = _rows_of(header, body, max_rows, "COMMANDS")
     return command, envs, seqs
+
+
+#: What a COMMANDS body holds, and may hold besides (:func:`holds_replies`).
+_COMMANDS_KEYS = frozenset(("c", "envs", "seqs"))
+_COMMANDS_KEYS_HELD = _COMMANDS_KEYS | {"h"}
+
+
+def holds_replies(header: Header) -> bool:
+    """Whether a COMMANDS (checked by :func:`command_rows`) asks its worker to keep its
+    replies together: the pool's last recv waited for several results, so one message
+    of them is worth more to it than the first of them a little sooner."""
+    body = header.body
+    return body is not None and body.get("h") is True
 
 
 def _rows_of(
