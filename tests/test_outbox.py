@@ -17,7 +17,7 @@ from zmqpool.codec import Encoder
 from zmqpool.limits import MAX_BATCH_BYTES, MAX_BATCHED_MESSAGE_BYTES
 from zmqpool.outbox import Outbox
 from zmqpool.roster import Link
-from zmqpool.wire import Command, Header, Row, command_rows, joined_messages
+from zmqpool.wire import Command, Header, Row, command_rows, holds_replies, joined_messages
 
 
 def _link(identity: bytes, encoder: Encoder) -> Link:
@@ -44,19 +44,22 @@ def _kept(parts, envs, command=Command.STEP, seqs=None):
     return [(command, env, seq, part) for env, seq, part in zip(envs, seqs, parts, strict=True)]
 
 
-def _the_long_way(encoder: Encoder, entries) -> list[list[bytes]]:
+def _the_long_way(encoder: Encoder, entries, hold: bool = False) -> list[list[bytes]]:
     rows = [
         Row(entry[0], entry[1], entry[2], [encoder.encode(entry[3])])
         if type(entry) is tuple
         else entry
         for entry in entries
     ]
-    return [[bytes(f) for f in m] for m in joined_messages(rows, b"")]
+    return [[bytes(f) for f in m] for m in joined_messages(rows, b"", hold)]
 
 
-def _sent(entries, known: list | None = None) -> tuple[list[list[bytes]], list[list[bytes]]]:
+def _sent(
+    entries, known: list | None = None, hold: bool = False
+) -> tuple[list[list[bytes]], list[list[bytes]]]:
     """What the outbox sends for ``entries``, and what the long way sends, both after
-    ``known`` parts were encoded on the connection (their layouts announced)."""
+    ``known`` parts were encoded on the connection (their layouts announced); ``hold``:
+    each COMMANDS asks for its replies to be held."""
     ours, theirs = Encoder(), Encoder()
     for part in known or []:
         ours.encode(part)
@@ -65,9 +68,9 @@ def _sent(entries, known: list | None = None) -> tuple[list[list[bytes]], list[l
     link = _link(b"w0", ours)
     for entry in entries:
         outbox.add(link, entry)
-    [(sent_link, messages)] = list(outbox.messages())
+    [(sent_link, messages)] = list(outbox.messages(hold))
     assert sent_link is link
-    return [[bytes(f) for f in m] for m in messages], _the_long_way(theirs, entries)
+    return [[bytes(f) for f in m] for m in messages], _the_long_way(theirs, entries, hold)
 
 
 def test_rows_of_a_known_layout_go_as_one_commands_built_from_their_frames():
@@ -77,6 +80,15 @@ def test_rows_of_a_known_layout_go_as_one_commands_built_from_their_frames():
     header = Header.decode(ours[0][0])
     assert command_rows(header, 4) == (Command.STEP, [3, 0, 2, 1], [13, 10, 12, 11])
     assert ours[0][1] == b"".join(bytes(p.buffers[0]) for p in parts)
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_held_the_commands_ask_for_it_both_ways(announced):
+    parts = _parts(3)
+    ours, theirs = _sent(_kept(parts, [0, 1, 2]), known=parts[:1] if announced else None, hold=True)
+    assert ours == theirs
+    joined = Header.decode(ours[-1][0])
+    assert joined.command == Command.COMMANDS and holds_replies(joined)
 
 
 def test_the_first_use_of_a_layout_announces_it_alone_and_the_rest_join_after_it():
