@@ -783,6 +783,9 @@ def test_malformed_joined_commands_are_dropped_or_answered_and_the_envs_live_on(
             [joined({**body, "envs": [0, 0]}), *good[1:]],
             [joined({**body, "envs": [0, 1, 5], "seqs": [1, 2, 1]}), *good[1:]],  # 3 rows, 2 envs
             [joined({**body, "envs": [1, 0]}, env=0), *good[1:]],  # not the header's env first
+            [joined({**body, "h": 1}), *good[1:]],  # held replies are asked for with true only
+            [joined({**body, "h": [True] * 1000}), *good[1:]],
+            [joined({**body, "x": True}), *good[1:]],  # a key the wire does not know
         ]
         for frames in dropped:
             assert worker.handle(frames)
