@@ -285,8 +285,9 @@ def test_layouts_without_tensorclasses_are_unchanged():
     assert "c" not in data and "s" not in data  # no branch: same batch size, keys of its own
     out = round_trip(plain)
     assert type(out.get("tc")) is TensorDict
-    # "c" needed no bump (the wire docstring); 3, 4 and 5 (batches, rows joined) came later.
-    assert PROTOCOL_VERSION == 5
+    # "c" needed no bump (the wire docstring); 3 to 6 (batches, rows joined, held replies)
+    # came later.
+    assert PROTOCOL_VERSION == 6
 
 
 def test_the_broker_sizes_a_tensorclass_env_from_its_specs():
