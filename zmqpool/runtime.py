@@ -521,7 +521,8 @@ class Runtime:
         Without a ``timeout``, what else is ready now is taken and nothing is
         waited for; with one, the call keeps collecting until the deadline or
         until ``max_get`` replies (or every request awaited on the channel) are in.
-        A ready error is handed to ``raise_error``, which raises it.
+        A ready error is handed to ``raise_error``, which raises it. Whether it
+        waits for several notes :attr:`hold_replies` for the sends after it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self.hold_replies = min_get > 1
