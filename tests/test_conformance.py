@@ -931,6 +931,25 @@ class TestBatchedWire(SameCallsOnBoth):
             lambda: ZMQAsyncEnvPool(cls.makers(), envs_per_worker=2, config=inline),
         )
 
+    def test_rounds_whose_replies_are_held_answer_as_torchrl(self, pair):
+        # After a recv that waited for every env, the next call's joined commands ask
+        # their workers to hold the replies together (wire: "h"): the same results.
+        def run(p):
+            rounds, r = [], p.reset()
+            for value in (1, 0, 1):
+                r.set("action", torch.full((*r.shape, 1), float(value)))
+                p.async_step_send(r)
+                n = r.shape[0]
+                [batch] = recv_everything(p.async_step_recv, n, n)  # every env, one call
+                rounds.append([batch])
+                r = step_mdp(batch)
+            return rounds
+
+        o, z = pair.both(run)
+        assert pair.zmq.runtime.hold_replies
+        for i, (expected, actual) in enumerate(zip(o, z, strict=True)):
+            assert_same_batches(expected, actual, f"held round {i}")
+
 
 class TestNestedKeys(SameCallsOnBoth):
     """NestedCountingEnv (("data", "states"), ("data", "action"), ...), stack="maybe_dense"."""

@@ -516,7 +516,7 @@ class Worker:
             for command in commands:
                 # A COMMANDS is taken apart when its turn comes: its error replies keep their place.
                 rows = self._rows_of(command)
-                hold = command.header.command == Command.COMMANDS and holds_replies(command.header)
+                hold = holds_replies(command.header)
                 # One probe first, while no env thread has anything to run (it is then
                 # judged clean); then the rows for env threads: a cheap env stepping
                 # inline never waits for one of them to be handed to its thread (each
@@ -533,7 +533,7 @@ class Worker:
         finally:
             self._flush_outbox()
 
-    def _handle_inline(self, row: _Command, timed: bool, hold: bool = False) -> bool:
+    def _handle_inline(self, row: _Command, timed: bool, hold: bool) -> bool:
         """Handle a command that may run inline; ``timed``: note how long its env took;
         ``hold``: its message asked for its replies to be held (see :data:`HOLD_FOR_S`)."""
         env = row.header.env

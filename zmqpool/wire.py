@@ -685,11 +685,11 @@ _COMMANDS_KEYS_HELD = _COMMANDS_KEYS | {"h"}
 
 
 def holds_replies(header: Header) -> bool:
-    """Whether a COMMANDS (checked by :func:`command_rows`) asks its worker to keep its
-    replies together: the pool's last recv waited for several results, so one message
-    of them is worth more to it than the first of them a little sooner."""
+    """Whether ``header`` is a COMMANDS (checked by :func:`command_rows`) that asks its
+    worker to keep its replies together: the pool's last recv waited for several
+    results, so one message of them is worth more to it than the first a little sooner."""
     body = header.body
-    return body is not None and body.get("h") is True
+    return header.command is Command.COMMANDS and body is not None and body.get("h") is True
 
 
 def _rows_of(
