@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
@@ -391,6 +392,21 @@ class TestCountingPool:
         o, z = pair.both(run)
         assert_same_td(o, z, "async_step_send(env_index=[2, 0]) then recv(min_get=2)")
         assert env_index_values(z) == [0, 2]
+
+    @pytest.mark.parametrize(
+        "as_indices", [np.array, lambda v: [np.int64(i) for i in v]], ids=["array", "numpy-ints"]
+    )
+    def test_async_step_takes_numpy_env_indices(self, pair, as_indices):
+        def run(p):
+            r = p.reset()[[2, 0]]
+            r["action"] = torch.tensor([[1], [0]], dtype=torch.int8)
+            p.async_step_send(r, env_index=as_indices([2, 0]))
+            return p.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        # torchrl's env_index keeps the numpy integers; they equal zmqpool's ints.
+        assert_same_td(o, z, "async_step_send(env_index=numpy [2, 0]) then recv(min_get=2)")
+        assert [type(i) for i in env_index_values(z)] == [int, int]
 
     def test_async_reset_of_a_subset_without_a_tensordict(self, pair):
         def run(p):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict, lazy_stack
@@ -26,7 +27,7 @@ from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 from tests.conftest import FAST
 from zmqpool import ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv
-from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input
+from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input, env_index_arg
 
 NUM = 2
 
@@ -117,6 +118,68 @@ def test_bad_env_indices(indices, error, match):
         check_step_input(actions(2), indices, pool_input_spec(), NUM)
     with pytest.raises(error, match=match):
         check_env_indices(indices, NUM)
+
+
+@pytest.mark.parametrize(
+    ("indices", "expected"),
+    [
+        (np.array([1, 0]), [1, 0]),
+        ([np.int64(1), np.int32(0)], [1, 0]),
+        (torch.tensor([1, 0], dtype=torch.uint8), [1, 0]),
+        ((1, 0), [1, 0]),
+        (range(2), [0, 1]),
+        (np.int64(1), 1),
+        (torch.tensor(1), 1),
+        (np.array(0), 0),
+    ],
+    ids=["array", "numpy-ints", "uint8-tensor", "tuple", "range", "np.int64", "0-d tensor", "0-d"],
+)
+def test_integers_of_any_kind_are_env_indices_as_python_ints(indices, expected):
+    assert env_index_arg(indices, NUM) == expected
+    assert {type(i) for i in check_env_indices(indices, NUM)} == {int}
+    assert type(env_index_arg(indices, NUM)) is type(expected)  # one env's stays one int
+
+
+@pytest.mark.parametrize(
+    ("indices", "match"),
+    [
+        (torch.tensor([0.0, 1.0]), "a tensor of torch.float32"),
+        (torch.tensor([True, False]), "a tensor of torch.bool"),
+        (np.array([True, False]), "a numpy array of bool"),
+        (np.array([0.0, 1.0]), "a numpy array of float64"),
+        (torch.tensor(1.0), "a tensor of torch.float32"),
+        ([np.bool_(True)], "must be integers"),
+        ([np.float64(1.0)], "must be integers"),
+        ([torch.tensor(0.5)], "a tensor of torch.float32"),
+        (torch.tensor([[0], [1]]), r"one-dimensional, got shape \(2, 1\)"),
+        (None, "an int or a list of ints"),
+    ],
+    ids=[
+        "float",
+        "bool-mask",
+        "np-bool-mask",
+        "np-float",
+        "0-d-float",
+        "np.bool_",
+        "np.float64",
+        "float-item",
+        "2-d",
+        "none",
+    ],
+)
+def test_what_is_not_integers_is_refused_naming_it(indices, match):
+    with pytest.raises(TypeError, match=match):
+        check_env_indices(indices, NUM)
+    if indices is not None:
+        with pytest.raises(TypeError, match=match):
+            env_index_arg(indices, NUM)
+
+
+def test_the_callers_list_is_copied():
+    indices = [1, 0]
+    checked = env_index_arg(indices, NUM)
+    indices.append(5)
+    assert checked == [1, 0]
 
 
 def test_nested_integer_actions_and_optional_state_entries():
@@ -335,9 +398,30 @@ def test_a_strict_pool_refuses_a_bad_action_on_an_env_channel(strict_pool):
         ([0, 2], actions(2), IndexError, "out of range"),
         ([1, 1], actions(2), ValueError, "repeat"),
         ([0, 1], actions(3), ValueError, "batch size"),
+        # Once truncated to [0, 1], and a mask read as envs [1, 0]: each env stepped unasked.
+        (torch.tensor([0.4, 1.6]), actions(2), TypeError, "a tensor of torch.float32"),
+        (torch.tensor([True, True]), actions(2), TypeError, "a tensor of torch.bool"),
     ],
-    ids=["range", "repeat", "batch"],
+    ids=["range", "repeat", "batch", "float", "mask"],
 )
 def test_pool_refuses_bad_indices_at_the_send(pool, fresh, indices, td, error, match):
     send = lambda: pool.async_step_send(td, env_index=indices)  # noqa: E731
     refused_before_sending(pool, send, error, match)
+
+
+def test_numpy_indices_step_the_envs_they_name(pool, fresh):
+    before = step_counts(pool)
+    pool.async_step_send(actions(1), env_index=np.array([1]))
+    out = pool.async_step_recv(min_get=1, timeout=30)
+    assert [(i, type(i)) for i in out.get("env_index").tolist()] == [(1, int)]
+    pool.async_step_send(TensorDict({"action": torch.zeros(1)}, []), env_index=np.int64(0))
+    own = pool.async_step_recv(env_index=torch.tensor(0), timeout=30)  # env 0's own channel
+    assert own["env_index"] == 0 and own.batch_size == torch.Size([])
+    assert step_counts(pool) == [before[0] + 2, before[1] + 2]
+
+
+def test_a_recv_on_an_own_channel_takes_one_env(pool, fresh):
+    with pytest.raises(TypeError, match="must name one env"):
+        pool.async_step_recv(env_index=[0])
+    with pytest.raises(IndexError, match="out of range"):
+        pool.async_step_recv(env_index=np.int64(NUM))

@@ -4,8 +4,9 @@ A call names its envs by an ``env_index`` argument (an int: one env's own
 channel; a list: a batch), or by the ``env_index`` entry of its tensordict
 (as every result of the pool carries it). :class:`EnvIndexer` turns either
 into the batch to send and its list of indices, refusing what can never
-work: an index out of range or repeated, rows that do not match the
-indices, a tensordict that names no env.
+work: an index out of range, repeated or not an integer, rows that do not
+match the indices, a tensordict that names no env. Integers of any kind
+(numpy's, a 1-d integer tensor) are taken as Python ints.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, TypeGuard
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
+
+from zmqpool.validation import check_env_indices, env_index_arg
 
 ENV_INDEX = "env_index"
 
@@ -52,18 +55,33 @@ class EnvIndexer:
     ) -> tuple[TensorDictBase, list[int]]:
         """The batch a send goes with, ``env_index`` set, and its checked env indices.
 
-        A plain batch with its env indices (the hot path) is tagged here, at a
-        fraction of the cost: its ``env_index`` is the same ``NonTensorStack``.
+        ``env_index``: as :meth:`arg` returned it. A plain batch with its env
+        indices (the hot path) is tagged here, at a fraction of the cost: its
+        ``env_index`` is the same ``NonTensorStack``.
         """
-        self.check_arg(env_index)
-        # type() first: an ABC's isinstance runs Python code, for every send.
-        if type(env_index) is list or isinstance(env_index, Sequence):
-            env_index = self.check_indices(list(env_index), tensordict)
+        if type(env_index) is list:
+            self.check_rows(env_index, tensordict)
             if is_plain_batch(tensordict):
                 self.set_env_index(tensordict, env_index)
                 return tensordict, env_index
         tensordict, env_idx = self.make(tensordict, env_index, make_if_none)
-        return tensordict, self.check_indices(list(env_idx), tensordict)
+        env_idx = check_env_indices(env_idx, self.num_envs)
+        self.check_rows(env_idx, tensordict)
+        return tensordict, env_idx
+
+    def arg(self, env_index: Any) -> int | list[int] | None:
+        """An ``env_index=`` argument checked, as None, one env's int or a list of ints.
+
+        Integers of any kind are taken (see :func:`zmqpool.validation.env_index_arg`).
+        """
+        return env_index_arg(env_index, self.num_envs)
+
+    def one(self, env_index: Any) -> int:
+        """An argument that names one env (a recv on its own channel), as an int."""
+        index = self.arg(env_index)
+        if not isinstance(index, int):
+            raise TypeError(f"env_index must name one env (an int), got {env_index!r}")
+        return index
 
     def make(
         self, tensordict: TensorDictBase | None, env_index: Any, make_if_none: bool
@@ -77,13 +95,15 @@ class EnvIndexer:
         """
         if env_index is None:
             return self._indexed_batch(tensordict)
+        env_index = self.arg(env_index)  # before anything is written into the caller's tensordict
         if isinstance(env_index, int):
             return self._one_env_batch(tensordict, env_index, make_if_none), [env_index]
-        env_index = list(env_index)
+        assert env_index is not None  # it was not None above
         if tensordict is None and make_if_none:
             tensordict = self._empty_batch(env_index)
         if tensordict is None:
             raise TypeError("a tensordict is needed to step envs")
+        self.check_rows(env_index, tensordict)
         self.set_env_index(tensordict, env_index)
         return tensordict, env_index
 
@@ -95,7 +115,9 @@ class EnvIndexer:
                 "the tensordict has no 'env_index' entry: pass env_index= or set it "
                 "(results of this pool carry it)"
             )
-        env_idx = indices_along_env_dim(tensordict.get(ENV_INDEX))
+        env_idx = self.arg(indices_along_env_dim(tensordict.get(ENV_INDEX)))
+        if env_idx is None:
+            raise TypeError("the tensordict's 'env_index' entry is None: it names no env")
         if isinstance(env_idx, int):  # one env's own tensordict (NonTensorData index)
             if tensordict.shape != (1, *self.env_batch_sizes[env_idx]):
                 tensordict = lazy_stack([tensordict])
@@ -117,27 +139,14 @@ class EnvIndexer:
             return TensorDict(batch_size=(len(env_index), *lead), device=self.device)
         return LazyStackedTensorDict(*[TensorDict(batch_size=b, device=self.device) for b in sizes])
 
-    def check_arg(self, env_index: Any) -> None:
-        """An ``env_index=`` int argument must name an env."""
-        if isinstance(env_index, int) and not 0 <= env_index < self.num_envs:
-            raise IndexError(f"env_index {env_index} is out of range for {self.num_envs} envs")
-
-    def check_indices(self, env_idx: list, tensordict: TensorDictBase | None) -> list[int]:
-        """Refuse bad indices before anything is sent or written into the caller's tensordict."""
-        if any(isinstance(i, bool) or not isinstance(i, (int, torch.Tensor)) for i in env_idx):
-            raise TypeError(f"env indices must be integers, got {env_idx}")
-        env_idx = [int(i) for i in env_idx]
-        bad = [i for i in env_idx if not 0 <= i < self.num_envs]
-        if bad:
-            raise IndexError(f"env indices {bad} are out of range for {self.num_envs} envs")
-        if len(set(env_idx)) != len(env_idx):
-            raise ValueError(f"env indices {env_idx} repeat an env")
+    @staticmethod
+    def check_rows(env_idx: list[int], tensordict: TensorDictBase | None) -> None:
+        """Refuse a batch whose rows do not match its env indices, before anything is written."""
         if tensordict is not None and tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
             raise ValueError(
                 f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
                 f"the {len(env_idx)} env indices {env_idx}"
             )
-        return env_idx
 
 
 def indices_along_env_dim(value: Any) -> int | list[int]:

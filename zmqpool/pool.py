@@ -301,11 +301,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         make_if_none: bool,
     ) -> None:
         self._check_open()
+        env_index = self._indexer.arg(env_index)
         tensordict, env_idx = self._indexer.batch(tensordict, env_index, make_if_none)
         if command in STEPS:
             strict = self.config.strict_inputs
             check_step_input(tensordict, env_idx, self.input_spec, self.num_envs, strict)
-        per_env = isinstance(env_index, int)
+        per_env = type(env_index) is int
         kind = KIND_OF[command]
         self._runtime.refuse_lost(env_idx)
         if not per_env:
@@ -392,7 +393,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     ) -> list[Reply]:
         self._check_open()
         if env_index is not None:
-            self._indexer.check_arg(env_index)
+            env_index = self._indexer.one(env_index)
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
             replies = self._runtime.collect(channel, 1, 1, None, self._raise_taken)
@@ -503,7 +504,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         Example:
             >>> os.kill(pool.worker_pid(0), signal.SIGKILL)  # doctest: +SKIP
         """
-        self._indexer.check_arg(env_index)
+        env_index = self._indexer.one(env_index)
         if env_index >= self.num_local_envs:
             return None
         process = self.worker_processes().get(env_index // self.envs_per_worker)

@@ -26,17 +26,20 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-__all__ = ["StepInputSpec", "check_env_indices", "check_step_input"]
+__all__ = ["StepInputSpec", "check_env_indices", "check_step_input", "env_index_arg"]
 
 #: The key the pool writes into every tensordict; not the trainer's to provide.
 _ENV_INDEX_KEY = "env_index"
 
 
-def check_env_indices(env_indices: int | Sequence[int] | torch.Tensor, num_envs: int) -> list[int]:
+def check_env_indices(env_indices: Any, num_envs: int) -> list[int]:
     """The env indices as a list of ints, refused if not integers, out of range or repeated.
+
+    Takes what :func:`env_index_arg` takes; one env's index is a list of one.
 
     Example:
         >>> check_env_indices([2, 0], num_envs=4)
@@ -46,21 +49,45 @@ def check_env_indices(env_indices: int | Sequence[int] | torch.Tensor, num_envs:
         ...
         IndexError: env index 4 is out of range for a pool of 4 envs (0 to 3)
     """
-    if isinstance(env_indices, torch.Tensor):
-        env_indices = env_indices.tolist()
-    items: Any = [env_indices] if _is_index(env_indices) else env_indices
-    sequence = type(items) is list or (  # type() first: an ABC's isinstance runs Python code
-        not isinstance(items, (str, bytes)) and isinstance(items, Sequence)
-    )
-    if not sequence:
-        raise TypeError(f"env indices must be an int or a list of ints, got {env_indices!r}")
-    fast = all(type(i) is int for i in items)
-    indices: list[int] = list(items) if fast else [_as_index(i) for i in items]
-    if indices and (min(indices) < 0 or max(indices) >= num_envs):
-        bad = next(i for i in indices if not 0 <= i < num_envs)
-        raise IndexError(
-            f"env index {bad} is out of range for a pool of {num_envs} envs (0 to {num_envs - 1})"
-        )
+    indices = _checked(env_indices, num_envs)
+    return [indices] if isinstance(indices, int) else indices
+
+
+def env_index_arg(env_index: Any, num_envs: int) -> int | list[int] | None:
+    """An ``env_index=`` argument as the pool takes it: None, one env's int, or a list of ints.
+
+    An integer of any kind names one env (Python's, numpy's, a 0-d integer
+    tensor or array); a sequence of them, a 1-d integer numpy array or tensor,
+    several. Refused, naming what is wrong: ``TypeError`` for anything not
+    integers (a float, a bool: a boolean mask is not a list of envs), and for
+    a string or a tensor of more dims; ``IndexError`` for an index out of
+    range; ``ValueError`` for an env named twice.
+
+    Example:
+        >>> env_index_arg(np.array([2, 0]), num_envs=4)
+        [2, 0]
+        >>> env_index_arg(torch.tensor(3), num_envs=4)
+        3
+        >>> env_index_arg(torch.tensor([0.0, 1.0]), num_envs=4)
+        Traceback (most recent call last):
+        ...
+        TypeError: env indices must be integers, got a tensor of torch.float32
+    """
+    return None if env_index is None else _checked(env_index, num_envs)
+
+
+def _checked(env_index: Any, num_envs: int) -> int | list[int]:
+    """:func:`env_index_arg` of anything but None."""
+    # The usual call, a list of Python ints, is checked in C: no Python code per index.
+    if type(env_index) is list and set(map(type, env_index)) == _INT_ONLY:
+        indices = list(env_index)  # the caller's list may change after the call
+    else:
+        one = _one_index(env_index)
+        if one is not None:
+            _check_range([one], num_envs)
+            return one
+        indices = [_as_index(i) for i in _index_items(env_index)]
+    _check_range(indices, num_envs)
     if len(set(indices)) != len(indices):
         repeated = sorted({i for i in indices if indices.count(i) > 1})
         raise ValueError(
@@ -69,12 +96,59 @@ def check_env_indices(env_indices: int | Sequence[int] | torch.Tensor, num_envs:
     return indices
 
 
-def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_INT_ONLY = {int}
+
+
+def _one_index(value: Any) -> int | None:
+    """``value`` as one env's index if it is a single integer (not a bool); else None."""
+    if type(value) is int:
+        return value
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return _as_index(value) if value.ndim == 0 else None
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        return None  # a bool is refused with the items; anything else may be a sequence
+    return _as_index(value)  # numpy's integers, and whatever else says it is one
+
+
+def _index_items(value: Any) -> list[Any]:
+    """The items of a sequence of env indices (still to be checked), or ``TypeError``."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim != 1:
+            raise TypeError(f"env indices must be one-dimensional, got shape {tuple(value.shape)}")
+        _check_integer_dtype(value)
+        return value.tolist()
+    sequence = type(value) is list or (  # type() first: an ABC's isinstance runs Python code
+        not isinstance(value, (str, bytes)) and isinstance(value, Sequence)
+    )
+    if not sequence:
+        raise TypeError(f"env indices must be an int or a list of ints, got {value!r}")
+    return list(value)
+
+
+def _check_integer_dtype(value: torch.Tensor | np.ndarray) -> None:
+    if isinstance(value, torch.Tensor):
+        integer = not (value.dtype.is_floating_point or value.dtype.is_complex)
+        integer = integer and value.dtype is not torch.bool
+    else:
+        integer = value.dtype.kind in "iu"
+    if not integer:
+        kind = "tensor" if isinstance(value, torch.Tensor) else "numpy array"
+        raise TypeError(f"env indices must be integers, got a {kind} of {value.dtype}")
+
+
+def _check_range(indices: list[int], num_envs: int) -> None:
+    if indices and (min(indices) < 0 or max(indices) >= num_envs):
+        bad = next(i for i in indices if not 0 <= i < num_envs)
+        raise IndexError(
+            f"env index {bad} is out of range for a pool of {num_envs} envs (0 to {num_envs - 1})"
+        )
 
 
 def _as_index(value: Any) -> int:
-    if isinstance(value, bool):
+    """An integer of any kind as an int; a bool, float or tensor of either is refused."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        _check_integer_dtype(value)
+    elif isinstance(value, (bool, np.bool_)):
         raise TypeError(f"env indices must be integers, got {value!r}")
     try:
         return operator.index(value)
@@ -121,18 +195,17 @@ class StepInputSpec:
         states = _entries(input_spec, "full_state_spec", "state") if strict else []
         self.expected = tuple(actions + states)
 
-    def __call__(
-        self, td: TensorDictBase, env_indices: int | Sequence[int] | torch.Tensor
-    ) -> list[int]:
+    def __call__(self, td: TensorDictBase, env_indices: Any) -> list[int]:
         """Check ``td`` for ``env_indices``; return the indices as a list of ints.
 
         With a list of indices, ``td`` has one row per index (its leading batch
-        dim); with a single int, ``td`` is that env's own tensordict.
+        dim); with a single int, ``td`` is that env's own tensordict. The
+        indices are taken as :func:`env_index_arg` takes them.
         """
-        indices = check_env_indices(env_indices, self.num_envs)
-        if _is_index(env_indices):
+        indices = _checked(env_indices, self.num_envs)
+        if isinstance(indices, int):  # made an int, never a bool
             self._check_rows([td])
-            return indices
+            return [indices]
         if td.batch_size[:1] != (len(indices),):
             raise ValueError(
                 f"the tensordict's batch size {tuple(td.batch_size)} does not match the "
@@ -282,7 +355,7 @@ _CACHE_SIZE = 32
 
 def check_step_input(
     td: TensorDictBase,
-    env_indices: int | Sequence[int] | torch.Tensor,
+    env_indices: Any,
     input_spec: Any,
     num_envs: int,
     strict: bool = False,
