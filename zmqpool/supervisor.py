@@ -151,10 +151,11 @@ class Supervisor:
             except ForkServerStarting as wait:  # a new zygote imports torch: not us
                 self.roster.respawn_due(record, now + wait.retry_after_s)
         self._check_deadlines(now)
-        silence = f"silent for more than {self.config.heartbeat_timeout_s} s (no heartbeat)"
         for identity in self.liveness.silent(now):
             assert isinstance(identity, bytes)
             quiet = self.roster.worker(identity)
+            # The cause is worded only for a worker found silent (not at every pump).
+            silence = f"silent for more than {self.config.heartbeat_timeout_s} s (no heartbeat)"
             if quiet is None or quiet.phase is not WorkerPhase.LIVE:
                 self.liveness.forget(identity)
             elif quiet.remote:
