@@ -63,3 +63,27 @@ def test_judge_bar_steps_two_computing_envs_each_way(capsys):
     assert shown.startswith("32x1, ") and shown.count(" steps/s") == 1
     for config in ("threads", "judged", "inline"):
         assert f" {config} " in shown
+
+
+def test_trainer_phases_splits_the_loops_cpu_and_puts_the_pool_back(capsys):
+    sys.path.insert(0, "scripts")
+    try:
+        import trainer_phases
+    finally:
+        sys.path.remove("scripts")
+    from zmqpool import intake
+
+    original = intake.Intake.on_result
+    sizes = ["--num-envs", "2", "--envs-per-worker", "2", "--min-get", "2"]
+    trainer_phases.main([*sizes, "--seconds", "0.5", "--warmup", "0.2"])
+    assert intake.Intake.on_result is original  # every wrapper taken off again
+    shown = capsys.readouterr().out
+    figures = {}
+    for line in shown.splitlines()[3:]:
+        label, _, figure = line.rpartition(" ")
+        figures[label.strip()] = float(figure)
+    assert shown.startswith("2 envs, 2 a worker, min_get=2, env threads on\n")
+    assert "the main thread, all of it" in shown.splitlines()[2]
+    for phase in trainer_phases.PHASES:  # each was called and timed
+        assert figures[phase.label] > 0, phase.label
+    assert figures["async_step_recv"] >= figures["Runtime.collect"] >= figures["Broker.poll"]

@@ -1,0 +1,203 @@
+"""Where the trainer's main thread spends its CPU, phase by phase, in the bench's async loop.
+
+``scripts/bench.py`` reports the trainer's CPU per env-step as one figure;
+this splits it. It runs the bench's own loop (:class:`bench.AsyncLoop` on
+:class:`bench.CountingEnv`: a recv of at least ``min_get`` results, the
+user's ``env_index.tolist()`` and a fresh action batch, a send) on a
+``ZMQAsyncEnvPool``, with a thread-CPU timer (``time.thread_time``) around
+each phase in :data:`PHASES`, and prints each phase's CPU per env-step,
+nested as the calls are. The timers' own cost is in the figures (about a
+microsecond a call on a 2-CPU VM), so read them side by side, not against
+the bench's.
+
+Example:
+    python scripts/trainer_phases.py                    # batch32: 64 envs, 16 a worker, min_get=32
+    python scripts/trainer_phases.py --scenario cheap   # 4 envs, 1 a worker, min_get=1
+    python scripts/trainer_phases.py --num-envs 8 --envs-per-worker 4 --min-get 2 --seconds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import bench  # beside this file: a script's own folder is on its path
+import zmq
+
+from zmqpool import (
+    PoolConfig,
+    ZMQAsyncEnvPool,
+    assembly,
+    broker,
+    indexing,
+    intake,
+    pool,
+    runtime,
+    supervisor,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A callable timed as ``label``, ``depth`` levels below a whole round of the loop."""
+
+    label: str
+    owner: Any  # a class or module
+    name: str
+    depth: int
+
+
+PHASES = (
+    Phase("async_step_recv", pool.ZMQAsyncEnvPool, "async_step_recv", 0),
+    Phase("Runtime.collect", runtime.Runtime, "collect", 1),
+    Phase("Broker.poll", broker.Broker, "poll", 2),
+    Phase("Intake.on_result", intake.Intake, "on_result", 3),
+    Phase("recv_frames", broker, "recv_frames", 3),
+    Phase("zmq_poll", zmq.Poller, "poll", 3),
+    Phase("Supervisor.tick", supervisor.Supervisor, "tick", 2),
+    Phase("Assembler.assemble", assembly.Assembler, "assemble", 1),
+    Phase("async_step_send", pool.ZMQAsyncEnvPool, "async_step_send", 0),
+    Phase("Runtime.send_all", runtime.Runtime, "send_all", 1),
+    Phase("Assembler.payloads", assembly.Assembler, "payloads", 1),
+    Phase("EnvIndexer.batch", indexing.EnvIndexer, "batch", 1),
+    Phase("check_step_input", pool, "check_step_input", 1),
+    Phase("the user's env_index.tolist()", bench, "env_indices", 0),
+    Phase("the user's action batch", bench, "action_td", 0),
+)
+
+SCENARIOS = {
+    "batch32": {"num_envs": 64, "envs_per_worker": 16, "min_get": 32},
+    "cheap": {"num_envs": 4, "envs_per_worker": 1, "min_get": 1},
+}
+
+
+@contextlib.contextmanager
+def timed(phases: Sequence[Phase]) -> Iterator[Counter[str]]:
+    """Wrap each phase's callable to add its thread CPU to the counter yielded; restore after."""
+    spent: Counter[str] = Counter()
+    originals = [(p, getattr(p.owner, p.name)) for p in phases]
+    for phase, original in originals:
+        setattr(phase.owner, phase.name, _timer(original, phase.label, spent))
+    try:
+        yield spent
+    finally:
+        for phase, original in reversed(originals):
+            setattr(phase.owner, phase.name, original)
+
+
+def _timer(original: Callable, label: str, spent: Counter[str]) -> Callable:
+    clock = time.thread_time
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[label] += clock() - start
+
+    return wrapper
+
+
+@dataclasses.dataclass
+class Split:
+    """One measured window: env-steps, rounds, the main thread's CPU, and each phase's."""
+
+    steps: int
+    rounds: int
+    wall_s: float
+    main_cpu_s: float
+    phases: dict[str, float]
+
+    def per_step_us(self, seconds: float) -> float:
+        return 1e6 * seconds / self.steps
+
+
+def measure(
+    num_envs: int,
+    envs_per_worker: int,
+    min_get: int,
+    seconds: float,
+    warmup_s: float,
+    config: PoolConfig,
+) -> Split:
+    """Run the bench's loop ``warmup_s`` untimed, then ``seconds`` with every phase timed."""
+    with timed(PHASES) as spent:
+        kwargs = [{"env_id": i, "obs_shape": (4,)} for i in range(num_envs)]
+        envs = ZMQAsyncEnvPool(
+            [bench.CountingEnv] * num_envs,
+            create_env_kwargs=kwargs,
+            envs_per_worker=envs_per_worker,
+            config=config,
+        )
+        try:
+            loop = bench.AsyncLoop(envs, num_envs, 60.0, min_get)
+            _run(loop, warmup_s)
+            spent.clear()
+            cpu, wall = time.thread_time(), time.monotonic()
+            steps, rounds = _run(loop, seconds)
+            cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+            phases = dict(spent)
+            loop.drain()
+        finally:
+            envs.close()
+    return Split(steps, rounds, wall, cpu, phases)
+
+
+def _run(loop: bench.AsyncLoop, seconds: float) -> tuple[int, int]:
+    steps = rounds = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        steps += loop()
+        rounds += 1
+    return steps, rounds
+
+
+def report(split: Split) -> str:
+    rate = split.steps / split.wall_s
+    main_us = split.per_step_us(split.main_cpu_s)
+    lines = [
+        f"{split.steps:,} env-steps in {split.wall_s:.1f} s ({rate:,.0f}/s), "
+        f"{split.steps / split.rounds:.1f} results a recv",
+        f"{'the main thread, all of it':40s} {main_us:7.1f} us/env-step",
+    ]
+    for phase in PHASES:
+        label = "  " * phase.depth + phase.label
+        lines.append(f"{label:40s} {split.per_step_us(split.phases.get(phase.label, 0.0)):7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="batch32")
+    parser.add_argument("--num-envs", type=int, help="default: the scenario's")
+    parser.add_argument("--envs-per-worker", type=int, help="default: the scenario's")
+    parser.add_argument("--min-get", type=int, help="default: the scenario's")
+    parser.add_argument("--seconds", type=float, default=8.0, help="the timed window")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds run before it")
+    parser.add_argument(
+        "--no-env-threads", action="store_true", help="PoolConfig(env_threads=False)"
+    )
+    args = parser.parse_args(argv)
+    sizes = dict(SCENARIOS[args.scenario])
+    for key in sizes:
+        given = getattr(args, key)
+        if given is not None:
+            sizes[key] = given
+    config = PoolConfig(env_threads=not args.no_env_threads)
+    split = measure(**sizes, seconds=args.seconds, warmup_s=args.warmup, config=config)
+    print(
+        f"{sizes['num_envs']} envs, {sizes['envs_per_worker']} a worker, "
+        f"min_get={sizes['min_get']}, env threads {'off' if args.no_env_threads else 'on'}"
+    )
+    print(report(split))
+
+
+if __name__ == "__main__":
+    main()
