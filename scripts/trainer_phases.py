@@ -3,16 +3,22 @@
 ``scripts/bench.py`` reports the trainer's CPU per env-step as one figure;
 this splits it. It runs the bench's own loop (:class:`bench.AsyncLoop` on
 :class:`bench.CountingEnv`: a recv of at least ``min_get`` results, the
-user's ``env_index.tolist()`` and a fresh action batch, a send) on a
+user's ``env_index.tolist()`` and its next input: a fresh action batch, or
+``step_mdp`` of the result with actions for the ``mdp`` scenario; a send) on a
 ``ZMQAsyncEnvPool``, with a thread-CPU timer (``time.thread_time``) around
 each phase in :data:`PHASES`, and prints each phase's CPU per env-step,
 nested as the calls are. The timers' own cost is in the figures (about a
 microsecond a call on a 2-CPU VM), so read them side by side, not against
 the bench's.
 
+The envs, their count, envs per worker and ``min_get`` are those of one of
+the bench's scenarios (its CountingEnv ones: ``--scenario``), each
+overridable.
+
 Example:
     python scripts/trainer_phases.py                    # batch32: 64 envs, 16 a worker, min_get=32
     python scripts/trainer_phases.py --scenario cheap   # 4 envs, 1 a worker, min_get=1
+    python scripts/trainer_phases.py --scenario 1mib    # a 1 MiB observation
     python scripts/trainer_phases.py --num-envs 8 --envs-per-worker 4 --min-get 2 --seconds 4
 """
 
@@ -68,12 +74,14 @@ PHASES = (
     Phase("EnvIndexer.batch", indexing.EnvIndexer, "batch", 1),
     Phase("check_step_input", pool, "check_step_input", 1),
     Phase("the user's env_index.tolist()", bench, "env_indices", 0),
-    Phase("the user's action batch", bench, "action_td", 0),
+    Phase("the user's next input", bench.AsyncLoop, "_next_input", 0),
 )
 
+#: The bench's scenarios this loop runs: CountingEnv, not the scale ones (minutes to start).
 SCENARIOS = {
-    "batch32": {"num_envs": 64, "envs_per_worker": 16, "min_get": 32},
-    "cheap": {"num_envs": 4, "envs_per_worker": 1, "min_get": 1},
+    name: scenario
+    for name, scenario in bench.build_scenarios(quick=False).items()
+    if scenario.env == "counting" and not scenario.scale
 }
 
 
@@ -119,25 +127,34 @@ class Split:
         return 1e6 * seconds / self.steps
 
 
-def measure(
-    num_envs: int,
-    envs_per_worker: int,
-    min_get: int,
-    seconds: float,
-    warmup_s: float,
-    config: PoolConfig,
-) -> Split:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the loop runs: a bench scenario's envs, so many, so many a worker, its ``min_get``."""
+
+    scenario: bench.Scenario
+    num_envs: int
+    envs_per_worker: int
+    min_get: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.scenario.name}: {self.num_envs} envs, {self.envs_per_worker} a worker, "
+            f"min_get={self.min_get}"
+        )
+
+
+def measure(workload: Workload, seconds: float, warmup_s: float, config: PoolConfig) -> Split:
     """Run the bench's loop ``warmup_s`` untimed, then ``seconds`` with every phase timed."""
+    num_envs = workload.num_envs
     with timed(PHASES) as spent:
-        kwargs = [{"env_id": i, "obs_shape": (4,)} for i in range(num_envs)]
         envs = ZMQAsyncEnvPool(
             [bench.CountingEnv] * num_envs,
-            create_env_kwargs=kwargs,
-            envs_per_worker=envs_per_worker,
+            create_env_kwargs=workload.scenario.env_kwargs(num_envs),
+            envs_per_worker=workload.envs_per_worker,
             config=config,
         )
         try:
-            loop = bench.AsyncLoop(envs, num_envs, 60.0, min_get)
+            loop = bench.AsyncLoop(envs, num_envs, 60.0, workload.min_get, workload.scenario.mdp)
             _run(loop, warmup_s)
             spent.clear()
             cpu, wall = time.thread_time(), time.monotonic()
@@ -173,6 +190,18 @@ def report(split: Split) -> str:
     return "\n".join(lines)
 
 
+def workload(args: argparse.Namespace) -> Workload:
+    """The scenario's sizes as the bench runs them (4 envs, 1 a worker, unless it says) or given."""
+    scenario = SCENARIOS[args.scenario]
+    cfg = bench.Config(seconds=args.seconds, warmup_s=args.warmup, num_envs=4)
+    return Workload(
+        scenario,
+        args.num_envs or scenario.envs(cfg),
+        args.envs_per_worker or scenario.per_worker(cfg),
+        args.min_get or scenario.min_get,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="batch32")
@@ -185,17 +214,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--no-env-threads", action="store_true", help="PoolConfig(env_threads=False)"
     )
     args = parser.parse_args(argv)
-    sizes = dict(SCENARIOS[args.scenario])
-    for key in sizes:
-        given = getattr(args, key)
-        if given is not None:
-            sizes[key] = given
+    work = workload(args)
     config = PoolConfig(env_threads=not args.no_env_threads)
-    split = measure(**sizes, seconds=args.seconds, warmup_s=args.warmup, config=config)
-    print(
-        f"{sizes['num_envs']} envs, {sizes['envs_per_worker']} a worker, "
-        f"min_get={sizes['min_get']}, env threads {'off' if args.no_env_threads else 'on'}"
-    )
+    split = measure(work, args.seconds, args.warmup, config)
+    print(f"{work}, env threads {'off' if args.no_env_threads else 'on'}")
     print(report(split))
 
 

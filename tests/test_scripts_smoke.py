@@ -82,7 +82,7 @@ def test_trainer_phases_splits_the_loops_cpu_and_puts_the_pool_back(capsys):
     for line in shown.splitlines()[3:]:
         label, _, figure = line.rpartition(" ")
         figures[label.strip()] = float(figure)
-    assert shown.startswith("2 envs, 2 a worker, min_get=2, env threads on\n")
+    assert shown.startswith("batch32: 2 envs, 2 a worker, min_get=2, env threads on\n")
     assert "the main thread, all of it" in shown.splitlines()[2]
     for phase in trainer_phases.PHASES:  # each was called and timed
         assert figures[phase.label] > 0, phase.label
