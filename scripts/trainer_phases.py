@@ -46,6 +46,7 @@ from zmqpool import (
     pool,
     runtime,
     supervisor,
+    validation,
 )
 
 
@@ -72,7 +73,7 @@ PHASES = (
     Phase("Runtime.send_all", runtime.Runtime, "send_all", 1),
     Phase("Assembler.payloads", assembly.Assembler, "payloads", 1),
     Phase("EnvIndexer.batch", indexing.EnvIndexer, "batch", 1),
-    Phase("check_step_input", pool, "check_step_input", 1),
+    Phase("StepInputSpec.check_batch", validation.StepInputSpec, "check_batch", 1),
     Phase("the user's env_index.tolist()", bench, "env_indices", 0),
     Phase("the user's next input", bench.AsyncLoop, "_next_input", 0),
 )
@@ -144,8 +145,12 @@ class Workload:
 
 
 def measure(workload: Workload, seconds: float, warmup_s: float, config: PoolConfig) -> Split:
-    """Run the bench's loop ``warmup_s`` untimed, then ``seconds`` with every phase timed."""
+    """Run the bench's loop ``warmup_s`` untimed, then ``seconds`` with every phase timed.
+
+    Each window is the bench's own :func:`bench.measure` of the loop.
+    """
     num_envs = workload.num_envs
+    window = bench.Config(seconds=seconds, warmup_s=0.0, num_envs=num_envs)
     with timed(PHASES) as spent:
         envs = ZMQAsyncEnvPool(
             [bench.CountingEnv] * num_envs,
@@ -155,25 +160,16 @@ def measure(workload: Workload, seconds: float, warmup_s: float, config: PoolCon
         )
         try:
             loop = bench.AsyncLoop(envs, num_envs, 60.0, workload.min_get, workload.scenario.mdp)
-            _run(loop, warmup_s)
+            bench.measure(loop, dataclasses.replace(window, seconds=warmup_s))
             spent.clear()
-            cpu, wall = time.thread_time(), time.monotonic()
-            steps, rounds = _run(loop, seconds)
-            cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+            cpu = time.thread_time()
+            measured = bench.measure(loop, window)
+            cpu = time.thread_time() - cpu
             phases = dict(spent)
             loop.drain()
         finally:
             envs.close()
-    return Split(steps, rounds, wall, cpu, phases)
-
-
-def _run(loop: bench.AsyncLoop, seconds: float) -> tuple[int, int]:
-    steps = rounds = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        steps += loop()
-        rounds += 1
-    return steps, rounds
+    return Split(measured.steps, len(measured.tick_s), measured.seconds, cpu, phases)
 
 
 def report(split: Split) -> str:

@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
-from zmqpool.validation import check_env_indices, env_index_arg
+from zmqpool.validation import env_index_arg
 
 ENV_INDEX = "env_index"
 
@@ -64,10 +64,7 @@ class EnvIndexer:
             if is_plain_batch(tensordict):
                 self.set_env_index(tensordict, env_index)
                 return tensordict, env_index
-        tensordict, env_idx = self.make(tensordict, env_index, make_if_none)
-        env_idx = check_env_indices(env_idx, self.num_envs)
-        self.check_rows(env_idx, tensordict)
-        return tensordict, env_idx
+        return self.make(tensordict, env_index, make_if_none)  # its indices are checked
 
     def arg(self, env_index: Any) -> int | list[int] | None:
         """An ``env_index=`` argument checked, as None, one env's int or a list of ints.

@@ -35,7 +35,7 @@ from zmqpool.launcher import WorkerProcess
 from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
-from zmqpool.validation import check_step_input
+from zmqpool.validation import step_input_spec
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
@@ -305,7 +305,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         tensordict, env_idx = self._indexer.batch(tensordict, env_index, make_if_none)
         if command in STEPS:
             strict = self.config.strict_inputs
-            check_step_input(tensordict, env_idx, self.input_spec, self.num_envs, strict)
+            # The indices were checked above: only the entries are left to check.
+            step_input_spec(self.input_spec, self.num_envs, strict).check_batch(tensordict, env_idx)
         per_env = type(env_index) is int
         kind = KIND_OF[command]
         self._runtime.refuse_lost(env_idx)

@@ -30,7 +30,13 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-__all__ = ["StepInputSpec", "check_env_indices", "check_step_input", "env_index_arg"]
+__all__ = [
+    "StepInputSpec",
+    "check_env_indices",
+    "check_step_input",
+    "env_index_arg",
+    "step_input_spec",
+]
 
 #: The key the pool writes into every tensordict; not the trainer's to provide.
 _ENV_INDEX_KEY = "env_index"
@@ -206,6 +212,12 @@ class StepInputSpec:
         if isinstance(indices, int):  # made an int, never a bool
             self._check_rows([td])
             return [indices]
+        self.check_batch(td, indices)
+        return indices
+
+    def check_batch(self, td: TensorDictBase, indices: list[int]) -> None:
+        """Check ``td``, one row per env of ``indices`` (checked already, as
+        :func:`env_index_arg` returns them): the pool's send, which checked them."""
         if td.batch_size[:1] != (len(indices),):
             raise ValueError(
                 f"the tensordict's batch size {tuple(td.batch_size)} does not match the "
@@ -217,7 +229,6 @@ class StepInputSpec:
         else:
             for expected in self.expected:
                 _check_entry(td, expected, (len(indices),), self.strict)
-        return indices
 
     def _check_rows(self, rows: Sequence[TensorDictBase]) -> None:
         for row in rows:
@@ -379,6 +390,11 @@ def check_step_input(
         ...
         ValueError: action 'action': expected dtype torch.float32, got torch.float64 (shape (1, 1))
     """
+    return step_input_spec(input_spec, num_envs, strict)(td, env_indices)
+
+
+def step_input_spec(input_spec: Any, num_envs: int, strict: bool = False) -> StepInputSpec:
+    """The :class:`StepInputSpec` of ``input_spec``, worked out once per spec object."""
     key = (id(input_spec), num_envs, strict)
     cached = _CACHE.get(key)
     if cached is None or cached[0] is not input_spec:
@@ -387,4 +403,4 @@ def check_step_input(
         # The spec is kept alive with its expectations, so its id cannot be reused.
         cached = (input_spec, StepInputSpec(input_spec, num_envs, strict))
         _CACHE[key] = cached
-    return cached[1](td, env_indices)
+    return cached[1]
