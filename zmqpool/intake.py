@@ -94,7 +94,7 @@ class Intake:
         try:
             messages = split_batch(header, frames[1:], len(link.envs))
         except ProtocolError as err:
-            self.ledger.drop(f"malformed batch: {err}")
+            self.ledger.drop("malformed batch", err)
             return
         for message in messages:
             inner = self._header(message[0])
@@ -125,7 +125,7 @@ class Intake:
         try:
             envs, seqs = results_rows(header, len(link.envs))
         except ProtocolError as err:
-            self.ledger.drop(f"malformed results: {err}")
+            self.ledger.drop("malformed results", err)
             return
         records = self.roster.envs
         if any(not 0 <= env < len(records) or records[env].link is not link for env in envs):

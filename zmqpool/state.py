@@ -138,11 +138,21 @@ class Ledger:
         pending.seq = slot.next_seq
         slot.next_seq += 1
 
-    def drop(self, reason: str) -> None:
-        """Count a message dropped for ``reason`` (a fixed phrase: the counts stay bounded)."""
+    def drop(self, reason: str, detail: object = None) -> None:
+        """Count a message dropped for ``reason``, and log it without flooding.
+
+        ``reason`` must be a fixed phrase: it keys the counts, so text a peer
+        chooses (sizes, ids: ``detail``'s) would make every message a new key,
+        a new entry and a first-time log line. ``detail`` is only logged.
+        """
         count = self.dropped.get(reason, 0) + 1
         self.dropped[reason] = count
-        log_throttled(log, count, "dropped a message: %s (%d so far)", reason, count)
+        if detail is None:
+            log_throttled(log, count, "dropped a message: %s (%d so far)", reason, count)
+        else:
+            log_throttled(
+                log, count, "dropped a message: %s: %s (%d so far)", reason, detail, count
+            )
 
     def refuse(self, who: bytes, reason: str) -> None:
         """Count a REGISTER refused (answered with REFUSE), and say why, without flooding."""
