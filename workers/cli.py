@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import sys
 
 from workers.hosting import WORKER_THREADS_VAR, EnvHost, EnvRecipe, recipe_from_name
@@ -33,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Host torchrl envs for a zmqpool trainer and answer its step/reset commands.",
     )
     parser.add_argument("--connect", required=True, help="the pool's ROUTER endpoint")
-    parser.add_argument("--identity", help="routing identity (default: host-pid)")
+    parser.add_argument(
+        "--identity",
+        help="routing identity (default: host-pid-<random>; one others can guess can be "
+        "taken by another key's holder first)",
+    )
     parser.add_argument("--env", help="importable env maker, package.module:callable")
     parser.add_argument(
         "--kwargs",
@@ -138,7 +143,9 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
     if remote and not args.single_process:
         run_child = functools.partial(_serve_remote_child, args, keys)
         return Supervisor(args.num_envs, run_child).run()
-    identity = (args.identity or f"{os.uname().nodename}-{os.getpid()}").encode()
+    # Unguessable by default: see workers/supervise.py on routing identities.
+    default = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(8)}"
+    identity = (args.identity or default).encode()
     return serve(args, identity, indices, recipes, remote, keys, _slots(args) if remote else None)
 
 

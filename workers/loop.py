@@ -20,18 +20,33 @@ reconnects the TCP connections by itself, so a restarted trainer at the same
 address picks its workers up again.
 
 Limits. A worker trusts no more bytes than its envs need: every socket
-it connects over TCP gets a ``MAXMSGSIZE`` and a short ``HANDSHAKE_IVL``
-before it connects (libzmq reads the CURVE handshake with the socket's frame
-decoder before the peer is authenticated, so without a limit any peer that
-can reach the socket, holding no keys, can make it allocate a frame of
-gigabytes). The DEALER's limit is the one the pool holds this worker's
-replies to, derived from the same specs (:func:`command_frame_limit`), and
-its decoder refuses layouts above it; the SUB and the PUSH get
-:data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed heartbeat is counted,
-logged (throttled) and ignored. A frame over a limit makes libzmq drop the
-connection, and after such a protocol error it never connects again by
-itself: each TCP socket's :class:`_DropWatch` does, so neither an oversized
-command nor a peer posing as the pool cuts a worker off for good.
+it connects gets a ``MAXMSGSIZE`` and a short ``HANDSHAKE_IVL`` before it
+connects, whatever the transport (libzmq reads the CURVE handshake with the
+socket's frame decoder before the peer is authenticated, so without a limit
+any peer that can reach the socket, holding no keys, can make it allocate a
+frame of gigabytes; and the results and heartbeat endpoints are the pool's
+word, in its WELCOME, which names them in the transport the worker reached
+the pool by or is refused: :func:`pool_endpoint`). The DEALER's limit is the
+one the pool holds this worker's replies to, derived from the same specs
+(:func:`command_frame_limit`), and its decoder refuses layouts above it; the
+SUB and the PUSH get :data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed
+heartbeat is counted, logged (throttled) and ignored. A frame over a limit
+makes libzmq drop the connection, and after such a protocol error it never
+connects again by itself: each TCP socket's :class:`_DropWatch` does, so
+neither an oversized command nor a peer posing as the pool cuts a worker off
+for good.
+
+``MAXMSGSIZE`` bounds frames, not messages: libzmq takes in every frame of a
+multipart message before the first can be read, so a pool (or anyone holding
+its key) can still make a worker hold one message of many frames, each within
+the DEALER's limit, in libzmq's memory (not bounded here: libzmq has no limit
+per message). What the worker itself does with a message is bounded: frames
+past :data:`~zmqpool.limits.MAX_MESSAGE_FRAMES` are let go as they are read,
+nothing is copied before the header and the layouts it names have been
+checked against the frames (count and exact sizes), and what an env gets is
+then copied once (:meth:`Worker._decoded`; a COMMANDS' joined frames, at
+most :data:`~zmqpool.limits.MAX_BATCH_BYTES` as the pool joins them, are
+checked against that before their copy).
 
 Threads and sockets: the main thread owns the DEALER, the heartbeat thread
 its own DEALER (and SUB), and the PUSH is shared under the reply queue's
@@ -53,6 +68,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -74,6 +90,7 @@ from zmqpool.launcher import ENV_THREAD_DIED
 from zmqpool.layout import max_message_bytes
 from zmqpool.limits import (
     CURVE_FRAME_OVERHEAD,
+    MAX_BATCH_BYTES,
     MAX_BEAT_BYTES,
     MAX_CONTROL_BYTES,
     MAX_FRAME_BYTES,
@@ -238,21 +255,26 @@ class Worker:
 
     @staticmethod
     def _connect(sock: zmq.Socket, endpoint: str, max_frame: int) -> _DropWatch | None:
-        """Connect ``sock``, over TCP with its limits set first (libzmq reads them at connect).
+        """Connect ``sock`` with its limits set first (libzmq reads them at connect).
 
         ``max_frame`` is the largest frame we expect; CURVE adds up to
         :data:`~zmqpool.limits.CURVE_FRAME_OVERHEAD` bytes to each, counted
-        against ``MAXMSGSIZE``. Over TCP, returns the watch that connects the
-        socket again after a protocol error (its owner's thread checks it).
-        Over ipc nothing is set: its endpoints live in a 0700 directory of the
-        trainer's user, only the trainer reaches them, and a frame over the
-        limit would be dropped with its connection, without a word to either side.
+        against ``MAXMSGSIZE``. The limits go on every socket, over ipc too:
+        a pool's own ipc endpoints live in a 0700 directory of the trainer's
+        user, but the results and heartbeat endpoints are whatever its WELCOME
+        names, and a process listening at a path named there could otherwise
+        send the worker a frame of any size. (A local pool's DEALER limit is
+        :data:`~zmqpool.limits.MAX_FRAME_BYTES`, and it sends its worker's other
+        sockets nothing over their limits: nothing it sends is dropped.)
+        Over TCP, returns the watch that connects the socket again after a
+        protocol error (its owner's thread checks it); a local pool never
+        causes one, so its ipc sockets are spared the monitor.
         """
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame + CURVE_FRAME_OVERHEAD)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, TCP_HANDSHAKE_MS)
         if not endpoint.startswith("tcp://"):
             sock.connect(endpoint)
             return None
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame + CURVE_FRAME_OVERHEAD)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, TCP_HANDSHAKE_MS)
         watch = _DropWatch(sock, endpoint)  # before connecting: no event is missed
         sock.connect(endpoint)
         return watch
@@ -368,6 +390,11 @@ class Worker:
                 f"the pool at {self.router} assigned envs {envs} to this worker, "
                 f"which hosts {len(self.host.envs)}"
             )
+        # Checked before anything changes: a WELCOME refused leaves the worker as it was.
+        results = pool_endpoint(welcome.results, self.router, "results")
+        beats = welcome.beats
+        if beats is not None:
+            beats = pool_endpoint(beats, self.router, "beats")
         # The pool may place our envs at other indices (remote workers ask for slots).
         hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
         self.host.envs = dict(zip(envs, hosted, strict=True))
@@ -376,9 +403,8 @@ class Worker:
             self._close_push()
             self.push = self._socket(zmq.PUSH)
             # A PUSH receives nothing: only the handshake's few small commands.
-            results = reachable(welcome.results, self.router)
             self._push_watch = self._connect(self.push, results, MAX_BEAT_BYTES)
-        self.beats = None if welcome.beats is None else reachable(welcome.beats, self.router)
+        self.beats = beats
         self.epoch = welcome.epoch
         self.welcome = welcome
         self.pool_lost.clear()
@@ -407,14 +433,22 @@ class Worker:
             while not self._stop.is_set():
                 if self.pool_lost.is_set() and self.remote_slots:
                     self._rejoin()
-                frames = self._next_command()
-                if frames is not None and not self.handle(frames):
+                if not self._serve_next():
                     break
                 if (now := time.monotonic()) >= next_check:
                     next_check = now + self.heartbeat_interval_s
                     self._check_connections()
         finally:
             self._stop.set()
+
+    def _serve_next(self) -> bool:
+        """Handle the next command if one comes within a heartbeat interval; False for CLOSE.
+
+        Its own frame so that a message's frames (libzmq's memory) are let go
+        once it is handled, not kept until the next one comes.
+        """
+        frames = self._next_command()
+        return frames is None or self.handle(frames)
 
     def _check_connections(self) -> None:
         """Connect the DEALER and the PUSH again if a protocol error dropped them for good."""
@@ -433,8 +467,17 @@ class Worker:
             self.push.close()
             self.push = None
 
-    def _next_command(self) -> list[bytes] | None:
+    def _next_command(self) -> list[zmq.Frame] | None:
         """The next command's frames, waiting up to a heartbeat interval (``None``: nothing).
+
+        The frames as libzmq received them, not copied: a frame is copied only
+        once the decoder has matched it to the layouts its header names
+        (:meth:`_decoded`), and frames past
+        :data:`~zmqpool.limits.MAX_MESSAGE_FRAMES` are let go as they are read
+        (:func:`~zmqpool.protocol.recv_frames`), each freed at once. libzmq
+        itself has taken in the whole message before its first frame can be
+        read: that much (each frame within the DEALER's ``MAXMSGSIZE``) is
+        held whatever this worker does.
 
         One blocking read bounded by the DEALER's ``RCVTIMEO`` (set to the
         heartbeat interval in :meth:`serve`): a worker that hosts one env has
@@ -446,12 +489,11 @@ class Worker:
         asking the socket for ``RCVMORE``.
         """
         try:
-            frames = recv_frames(self.dealer, wait=True)
+            return recv_frames(self.dealer, wait=True)
         except zmq.Again:
             return None
-        return [frame.bytes for frame in frames]
 
-    def handle(self, frames: list[bytes]) -> bool:
+    def handle(self, frames: Sequence[Any]) -> bool:
         """Handle one message from the pool, as :meth:`serve` does each; False for CLOSE.
 
         A command is run on its env and answered on the PUSH (an error reply
@@ -460,7 +502,8 @@ class Worker:
         malformed batch. A batch's commands, and the rows of a COMMANDS, are
         handled in order, each as if it had come alone. Driving a worker
         message by message, without the DEALER, is what this is for
-        (``tests/test_fuzz_live.py`` feeds it hostile frames).
+        (``tests/test_fuzz_live.py`` feeds it hostile frames). ``frames``:
+        ``zmq.Frame`` s as received, or bytes; none is copied before it is checked.
         """
         header = self._command_header(frames[0])
         if header is None:
@@ -468,12 +511,12 @@ class Worker:
         if header.command == Command.BATCH:
             return self._handle_batch(header, frames[1:])
         if header.command == Command.COMMANDS:
-            return self._handle_several([_Command(header, frames[1:])])
-        return self._handle_command(_Command(header, frames[1:]))
+            return self._handle_several([_Command(header, list(frames[1:]))])
+        return self._handle_command(_Command(header, list(frames[1:])))
 
     def _command_header(self, frame: Any) -> Header | None:
         try:
-            return Header.decode(frame)
+            return Header.decode(_buffer_of(frame))
         except ProtocolError as err:
             self.dropped += 1
             log.warning("dropped a malformed command: %s", err)
@@ -491,7 +534,7 @@ class Worker:
             self._execute(command, inline)
         return True
 
-    def _handle_batch(self, header: Header, frames: list[Any]) -> bool:
+    def _handle_batch(self, header: Header, frames: Sequence[Any]) -> bool:
         """A batch of commands: each handled in order; run inline, their replies go as a batch."""
         try:
             messages = split_batch(header, frames, max(1, len(self.host.envs)))
@@ -624,8 +667,10 @@ class Worker:
             for env, seq in zip(envs, seqs, strict=True)
         ]
         try:
-            # One copy of each joined frame, writable (see _execute); each row a view of it.
-            rows = self.decoder.decode_rows(header, [bytearray(f) for f in frames], len(envs))
+            _check_joined_size(frames)  # before the copy: a pool joins at most this
+            # One copy of each joined frame, writable (see _decoded); each row a view of it.
+            copies = [bytearray(_buffer_of(f)) for f in frames]
+            rows = self.decoder.decode_rows(header, copies, len(envs))
         except ProtocolError as err:
             for inner in headers:
                 self._send(self._error_reply(inner, err))
@@ -668,10 +713,8 @@ class Worker:
         header = command.header
         try:
             parts = command.parts
-            if parts is None:
-                # Decoded here, in order: layouts are announced on this connection.
-                # bytearray: env code may write into its input; zmq's buffers are read-only.
-                parts = self.decoder.decode(header, [bytearray(f) for f in command.frames])
+            if parts is None:  # decoded here, in order: layouts are announced on this connection
+                parts = self._decoded(header, command.frames)
             td = parts[0].to_tensordict() if parts else None
         except Exception as err:
             self._send(self._error_reply(header, err))
@@ -689,6 +732,25 @@ class Worker:
         if not clean and self._judge.unjudged(header.env):
             clean = self._await_idle_threads(PROBE_WAIT_S)  # a probe: judged alone if it can be
         self._run_judged(header, td, clean)
+
+    def _decoded(self, header: Header, frames: list[Any]) -> list[DecodedPart]:
+        """A command's parts, checked against its layouts before a byte of them is copied.
+
+        The decoder matches the frames to the layouts the header names (their
+        count and each one's exact size) on the received buffers; only then is
+        the part an env gets (the first) copied, once, into memory of its own:
+        env code may write into its input, and a received frame (bytes, or a
+        zmq frame) is not the env's to write into. A message that fails the
+        checks costs no copy at all (each frame used to be copied twice first:
+        one STEP of 700 frames of 1000 KiB, refused for its unknown layout,
+        grew a worker by 1.8 GB).
+        """
+        parts = self.decoder.decode(header, frames)
+        if not parts:
+            return parts
+        first = parts[0]
+        own = [memoryview(bytearray(buffer)) for buffer in first.buffers]
+        return [DecodedPart(first.layout, own, first.nontensor), *parts[1:]]
 
     def _await_idle_threads(self, wait_s: float) -> bool:
         """Wait up to ``wait_s`` for every env thread to finish its jobs; whether they did."""
@@ -1033,12 +1095,62 @@ def command_frame_limit(host: EnvHost, router: str) -> int:
     return max_message_bytes(layout_of(env.specs.zero()) for env in host.envs.values())
 
 
+def _buffer_of(frame: Any) -> Any:
+    """A received frame's bytes without a copy: a ``zmq.Frame``'s buffer; bytes as they are."""
+    return getattr(frame, "buffer", frame)
+
+
+def _check_joined_size(frames: Sequence[Any]) -> None:
+    """Refuse a COMMANDS whose joined frames add up to more than a pool ever joins.
+
+    A pool joins rows into one COMMANDS only up to
+    :data:`~zmqpool.limits.MAX_BATCH_BYTES` in all (:func:`~zmqpool.wire.joined_messages`,
+    :mod:`zmqpool.outbox`); larger commands go alone. Checked before the
+    joined frames are copied: each may be as large as the DEALER's limit.
+    Raises :class:`ProtocolError`.
+    """
+    total = sum(memoryview(_buffer_of(frame)).nbytes for frame in frames)
+    if total > MAX_BATCH_BYTES:
+        raise ProtocolError(
+            f"joined commands of {total} bytes; a pool joins at most {MAX_BATCH_BYTES}"
+        )
+
+
 def _safe_repr(err: BaseException) -> str:
     """``repr(err)``, or a stand-in if the env's exception cannot even say what it is."""
     try:
         return repr(err)
     except Exception:
         return f"<{type(err).__name__}: its repr() raised>"
+
+
+def pool_endpoint(endpoint: str, router: str, name: str) -> str:
+    """An endpoint the pool's WELCOME named (``name``: which), to connect to; or refused.
+
+    It must use the transport this worker reached the pool by (``router``'s):
+    every pool names its endpoints so (a local pool, ipc or loopback TCP; a
+    remote one, TCP). A worker that reached its pool over TCP is on another
+    machine, or treats the pool as one: an ipc or inproc endpoint there would
+    be a local path that anyone on the worker's machine may be listening at,
+    not the pool. Another host over TCP is allowed (a pool bound to one
+    address may be reached by another name or through NAT; CURVE checks the
+    server's key on every connection, and the limits bound what a peer
+    without it can send). A wildcard host becomes the router's (:func:`reachable`).
+    Raises :class:`RegistrationError`.
+    """
+    theirs, ours = _transport(endpoint), _transport(router)
+    if theirs != ours:
+        raise RegistrationError(
+            f"the pool at {router} named its {name} endpoint {endpoint!r}, over {theirs or '?'}: "
+            f"a worker that reached the pool over {ours} connects to it over {ours} only"
+        )
+    return reachable(endpoint, router)
+
+
+def _transport(endpoint: str) -> str:
+    """``"tcp"`` of ``"tcp://host:port"``; ``""`` if the endpoint names none."""
+    transport, sep, _ = endpoint.partition("://")
+    return transport if sep else ""
 
 
 def reachable(endpoint: str, router: str) -> str:

@@ -3,9 +3,13 @@
 ``python -m workers --connect tcp://HOST:PORT --env pkg.mod:make --num-envs K``
 runs this: it imports torch and torchrl once, then forks one worker process
 per env (fast, like the pool's fork server). Each child has a stable
-identity, ``<host>-<supervisor pid>-<k>``, so when it crashes and is forked
-again it rejoins the pool as the same worker: the pool answers its requests
-in flight with truncations, as for a local restart. A child that cannot
+identity, ``<host>-<supervisor pid>-<k>-<nonce>``, so when it crashes and is
+forked again it rejoins the pool as the same worker: the pool answers its
+requests in flight with truncations, as for a local restart. The nonce (64
+random bits, one per supervisor) keeps it unguessable: a ZeroMQ ROUTER keeps
+a routing identity for whoever connects with it first, so another key's
+holder who could name it (or its heartbeat socket's, ``<identity>!hb``)
+ahead of the worker would have the worker's messages ignored. A child that cannot
 register (exit code 2: refused by the pool for wrong specs or no free slot, or
 specs too large to send) is not restarted.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -48,9 +53,10 @@ class Supervisor:
         self.children: dict[int, int] = {}  # pid -> k
         self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
         self.stopping = False
+        self.nonce = secrets.token_hex(8)
 
     def identity(self, k: int) -> bytes:
-        return f"{socket.gethostname()}-{os.getpid()}-{k}".encode()
+        return f"{socket.gethostname()}-{os.getpid()}-{k}-{self.nonce}".encode()
 
     def start(self, k: int) -> None:
         identity = self.identity(k)

@@ -131,7 +131,9 @@ class RayWorkers:
 
         actor_class = ray.remote(EnvActor)
         connect = self._connect_endpoint(ctx.endpoint, ray)
-        run = os.urandom(4).hex()  # identities of this pool's actors, the same across restarts
+        # Identities of this pool's actors, the same across restarts, unguessable by other
+        # keys' holders (workers/supervise.py says why).
+        run = os.urandom(8).hex()
         strategies = self._scheduling(ray)
         per = self.envs_per_actor
         for i in range(self.count):
