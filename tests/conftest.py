@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import zmq
 
 from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_remote_host
 from zmqpool import PoolConfig, ZMQAsyncEnvPool, keep_fork_server
@@ -156,3 +157,11 @@ def pids_alive(pids: list[int]) -> list[int]:
             if f.read().split()[2] != "Z":
                 alive.append(pid)
     return alive
+
+
+@pytest.fixture
+def context():
+    """A ZeroMQ context for a test's own sockets (hostile peers, fake trainers), destroyed after."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)

@@ -39,13 +39,6 @@ MB = 1 << 20
 QUIET = {"register_timeout_s": 60.0, "close_timeout_s": 1.0, "heartbeat_liveness": 120}
 
 
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def victim_on(tmp_path, key_dir, port, *, remote_envs=1, config=None, **kwargs) -> Victim:
     """A pool bound on ``port`` with CURVE, listening (P, P+1, P+2) before this returns."""
     victim = Victim(

@@ -15,8 +15,10 @@ the trainer's alone (:mod:`zmqpool.batching`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +46,16 @@ from zmqpool.layout import (
     LazyNode,
     Leaf,
     build_layout,
+    layout_footprint,
     member_name,
 )
-from zmqpool.limits import MAX_FRAME_BYTES, MAX_LAYOUT_ID, MAX_NONTENSOR_ITEMS, is_int
+from zmqpool.limits import (
+    MAX_FRAME_BYTES,
+    MAX_LAYOUT_ID,
+    MAX_NONTENSOR_ITEMS,
+    MAX_PEER_LAYOUT_BYTES,
+    is_int,
+)
 
 if TYPE_CHECKING:
     from zmqpool.wire import Header
@@ -211,6 +220,11 @@ def _walk(td: TensorDictBase, prefix: Key, batch: tuple[int, ...], flat: _Flat) 
     for name, value in td.items():
         key = (*prefix, name)
         if isinstance(value, torch.Tensor):
+            if value.layout is not torch.strided:  # its bytes are not its values
+                raise ProtocolError(
+                    f"{'/'.join(key)} is a {value.layout} tensor, which cannot cross the "
+                    "wire: only dense (strided) tensors do; send .to_dense()"
+                )
             flat.tensors.append((key, value))
         elif isinstance(value, (NonTensorData, NonTensorStack)):
             flat.nontensor_keys.append(key)
@@ -480,7 +494,10 @@ class Decoder:
     layout with a frame larger than ``max_frame_bytes`` is refused when it is
     announced (give it the socket's ``MAXMSGSIZE``: nothing larger can arrive),
     and so is one with more than :data:`~zmqpool.limits.MAX_NONTENSOR_ITEMS`
-    non-tensor values.
+    non-tensor values, and one that would take the layouts held past
+    ``max_layout_bytes`` (:data:`~zmqpool.limits.MAX_PEER_LAYOUT_BYTES`, each
+    layout's :func:`~zmqpool.layout.layout_footprint` counted once): what one
+    peer can make this process keep is that much.
 
     ``own_small_frames`` (the trainer's): a part keeps a frame smaller than
     :data:`ZERO_COPY_THRESHOLD` as bytes of its own, in a tuple, instead of a
@@ -494,11 +511,16 @@ class Decoder:
         max_layouts: int = 256,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         own_small_frames: bool = False,
+        max_layout_bytes: int = MAX_PEER_LAYOUT_BYTES,
     ) -> None:
         self.max_layouts = max_layouts
         self.max_frame_bytes = max_frame_bytes
+        self.max_layout_bytes = max_layout_bytes
         self.own_below = ZERO_COPY_THRESHOLD if own_small_frames else 0
         self._layouts: dict[int, Layout] = {}
+        # Each held layout's estimated footprint, by id, and their sum.
+        self._footprints: dict[int, int] = {}
+        self.layout_bytes = 0
         # A header's layout ids -> what decoding its message needs of them, worked out
         # once: nearly every message repeats the ids of the one before. Cleared
         # whenever a layout is announced (an id may be announced again, as another).
@@ -517,7 +539,21 @@ class Decoder:
                 raise ProtocolError(f"bad layout id {layout_id!r}")
             if layout_id not in self._layouts and len(self._layouts) >= self.max_layouts:
                 raise ProtocolError(f"peer announced more than {self.max_layouts} layouts")
-            self._layouts[layout_id] = _intern(self._checked(Layout.from_data(data)))
+            layout = self._checked(Layout.from_data(data))
+            self._hold(layout_id, layout_footprint(layout))
+            self._layouts[layout_id] = _intern(layout)
+
+    def _hold(self, layout_id: int, footprint: int) -> None:
+        """Count a layout about to be held as ``layout_id`` (replacing any held so);
+        refuse it if the layouts held would then take more than ``max_layout_bytes``."""
+        held = self.layout_bytes - self._footprints.get(layout_id, 0) + footprint
+        if held > self.max_layout_bytes:
+            raise ProtocolError(
+                f"layout {layout_id} would take the layouts this peer announced to ~{held} "
+                f"bytes in memory; at most {self.max_layout_bytes} are kept"
+            )
+        self._footprints[layout_id] = footprint
+        self.layout_bytes = held
 
     def _checked(self, layout: Layout) -> Layout:
         largest = max(layout.frame_sizes, default=0)
@@ -621,17 +657,27 @@ class _Plan:
 
 #: Equal layouts learned on different connections, as one object: parts from
 #: any worker then share a layout by identity (:func:`~zmqpool.batching.stack_parts`'
-#: condition).
-#: Only an optimisation, so bounded crudely: a peer announcing layout after
-#: layout costs the sharing, not memory.
-_INTERNED: dict[Layout, Layout] = {}
-_MAX_INTERNED = 1024
+#: condition). Weakly, by hash: the table keeps no layout alive, so what a peer
+#: made this process keep is what its decoder holds (``max_layout_bytes``), and a
+#: layout replaced or let go goes from here too. Only an optimisation: two unequal
+#: layouts of one hash share nothing (the second is not interned).
+_INTERNED: dict[int, weakref.ref[Layout]] = {}
 
 
 def _intern(layout: Layout) -> Layout:
-    if len(_INTERNED) >= _MAX_INTERNED:
-        _INTERNED.clear()
-    return _INTERNED.setdefault(layout, layout)
+    key = hash(layout)
+    ref = _INTERNED.get(key)
+    known = None if ref is None else ref()
+    if known is None:
+        _INTERNED[key] = weakref.ref(layout, functools.partial(_forget, key))
+        return layout
+    return known if known == layout else layout
+
+
+def _forget(key: int, dead: weakref.ref[Layout]) -> None:
+    """A layout interned under ``key`` is gone: its entry goes, unless another took it."""
+    if _INTERNED.get(key) is dead:
+        _INTERNED.pop(key, None)
 
 
 def _nontensor_lists(body: Mapping[str, Any] | None, layouts: list[Layout]) -> list[list[Any]]:

@@ -18,6 +18,7 @@ import zmq
 
 from zmqpool.admission import peer_key
 from zmqpool.codec import DecodedPart
+from zmqpool.conformity import ReplyCheck
 from zmqpool.errors import EnvError, ProtocolError
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
@@ -144,7 +145,11 @@ class Intake:
             pending = match(env, seq, now)
             if pending is None:
                 continue
-            if type(parts) is list and len(parts) == 1 and not records[env].check(parts[0].layout):
+            if (
+                type(parts) is list
+                and len(parts) == 1
+                and not records[env].check(parts[0].layout, pending)
+            ):
                 deliver(Reply(env, pending, parts, None, pending.synth), now)  # the usual reply
             else:
                 deliver(_checked_reply(env, pending, parts, records[env].check), now)
@@ -183,13 +188,13 @@ _BATCHABLE = (Command.RESULT, Command.ERROR, Command.RESULTS)
 
 
 def _checked_reply(
-    env: int, pending: Pending, parts: list[DecodedPart] | ProtocolError, check: Any
+    env: int, pending: Pending, parts: list[DecodedPart] | ProtocolError, check: ReplyCheck
 ) -> Reply:
     """The reply to ``pending``: its parts held to the env's specs (``check``), or the error."""
     if type(parts) is not list:  # the ProtocolError decoding raised
         return Reply(env, pending, error=EnvError(env, f"malformed reply: {parts}"))
-    for part in parts:
-        wrong = check(part.layout)
+    for index, part in enumerate(parts):
+        wrong = check.part(part.layout, pending, index)
         if wrong:  # it would break the stack of the whole batch: this env's error alone
             return Reply(env, pending, error=EnvError(env, wrong))
     return Reply(env, pending, parts, None, pending.synth)  # positional: every env-step

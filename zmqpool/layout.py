@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -98,7 +99,15 @@ class Leaf:
     nbytes: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# A decoder's layouts are interned weakly (zmqpool.codec), so that what one peer
+# announced lives only as long as its decoder holds it: slots need weakref_slot
+# (Python 3.11); 3.10 keeps an instance dict instead, which weak references allow.
+_WEAKLY_REFERABLE: dict[str, bool] = (
+    {"slots": True, "weakref_slot": True} if sys.version_info >= (3, 11) else {}
+)
+
+
+@dataclasses.dataclass(frozen=True, **_WEAKLY_REFERABLE)
 class Layout:
     """How one tensordict is laid out in frames (the format: :mod:`zmqpool.wire`).
 
@@ -126,6 +135,9 @@ class Layout:
     # Derived from frame_sizes, once: a sender reads them for every part it sends.
     largest_frame: int = dataclasses.field(init=False, compare=False, repr=False)
     frames_nbytes: int = dataclasses.field(init=False, compare=False, repr=False)
+    notes: dict[Any, Any] = dataclasses.field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "largest_frame", max(self.frame_sizes, default=0))
@@ -532,3 +544,78 @@ def max_message_bytes(
 
 def _all_packed_nbytes(layout: Layout) -> int:
     return sum(-(-leaf.nbytes // ALIGN) * ALIGN for leaf in layout.leaves)
+
+
+# ---------------------------------------------------------------- what a layout costs to keep
+
+#: Bytes of a layout's own fixed fields and tuples (its dataclass, ``notes``, ...).
+_LAYOUT_BYTES = 1024
+#: Bytes of a :class:`Leaf` (slots and GC header) and of its place in the layout's tuple.
+_LEAF_BYTES = 96
+#: Bytes of an empty tuple (a key path, a shape, an entry) and of each item it holds:
+#: 8 for the pointer, 32 for an int that may not be one of the small ones CPython shares.
+_TUPLE_BYTES, _ITEM_BYTES, _INT_BYTES = 48, 8, 32
+#: Bytes of an empty ASCII string (CPython's compact ones: one more a character).
+_STR_BYTES = 49
+
+
+def layout_footprint(layout: Layout) -> int:
+    """Roughly the bytes ``layout`` keeps alive in this process: an upper estimate (by 1.1-2x).
+
+    Worked out once, when a peer announces a layout (a decoder holds them to
+    :data:`~zmqpool.limits.MAX_PEER_LAYOUT_BYTES`), from the objects
+    :meth:`Layout.from_data` builds: a key path's names are strings of their
+    own per entry (msgpack does not share them), so deep keys of short names
+    cost some 20 times their wire size.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> from zmqpool.codec import layout_of
+        >>> small = layout_of(TensorDict({"observation": torch.zeros(4)}, []))
+        >>> 1024 < layout_footprint(small) < 2048
+        True
+    """
+    # In bulk, a few passes over the entries: it runs for every layout a peer announces.
+    leaves, branches = layout.leaves, layout.branches
+    keys = [leaf.key for leaf in leaves]
+    keys += layout.nontensor_keys
+    keys += [key for key, _ in branches]
+    keys += [key for key, _, _ in layout.lazy]
+    keys += [key for key, _ in layout.classes]
+    shapes = [leaf.shape for leaf in leaves]
+    shapes += layout.nontensor_batches
+    shapes += [batch for _, batch in branches]
+    entries = len(layout.nontensor_keys) + len(branches) + len(layout.lazy) + len(layout.classes)
+    return (
+        _LAYOUT_BYTES
+        + len(leaves) * _LEAF_BYTES
+        + entries * (_TUPLE_BYTES + 4 * _ITEM_BYTES + 2 * _INT_BYTES)
+        + len(keys) * _TUPLE_BYTES
+        + _names_bytes([name for key in keys for name in key])
+        + len(shapes) * _TUPLE_BYTES
+        + sum(map(len, shapes)) * (_ITEM_BYTES + _INT_BYTES)
+        + _names_bytes([name for _, name in layout.classes])
+    )
+
+
+def _names_bytes(names: list[str]) -> int:
+    """What strings ``names``, each an object of its own, take, with their pointers."""
+    if "".join(names).isascii():  # the usual case, told in one pass
+        return len(names) * (_ITEM_BYTES + _STR_BYTES + 15) + sum(map(len, names))
+    return sum(_ITEM_BYTES + _str_bytes(name) for name in names)
+
+
+def _str_bytes(text: str) -> int:
+    # CPython's compact strings, rounded up to the allocator's 16 bytes.
+    if text.isascii():
+        size = _STR_BYTES + len(text)
+    else:
+        widest = ord(max(text))
+        size = (
+            73 + len(text)
+            if widest < 256
+            else 74 + 2 * len(text)
+            if widest < 65536
+            else 76 + 4 * len(text)
+        )
+    return -(-size // 16) * 16

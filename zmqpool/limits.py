@@ -91,6 +91,17 @@ MAX_LEAF_BYTES = 1 << 32
 MAX_FRAME_BYTES = 1 << 32
 #: The longest name a tensorclass may travel as (``"module:qualname"``).
 MAX_CLASS_NAME = 512
+#: The most bytes of layouts one connection's decoder keeps (each estimated once,
+#: when announced: :func:`zmqpool.layout.layout_footprint`); announcing more is a
+#: :class:`~zmqpool.errors.ProtocolError` (the reply's env's error). A layout is
+#: kept some 20 times its wire size at worst (deep keys of short names: 273 KB of
+#: header, 4.4 MiB of objects), so ``max_layouts`` (256; 32 for a remote peer) of
+#: them alone would be gigabytes. Legitimate layouts cost 1-2 KiB (a few leaves)
+#: to ~150 KiB (300 leaves, keys 3 deep): 32 such, the most a remote decoder
+#: holds, take 5 MiB; the largest layout a header can announce (1 MiB of it)
+#: about 20 MiB. Layouts are interned weakly and checks note their verdicts on
+#: the layout itself, so what a peer made the trainer keep goes with its decoder.
+MAX_PEER_LAYOUT_BYTES = 32 << 20
 
 # ---------------------------------------------------------------- specs
 
