@@ -12,10 +12,13 @@ on ``tcp://127.0.0.1:P`` listens on P (ROUTER), P+1 (results PULL) and P+2
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
 
 import hostile
+import msgpack
 import pytest
 import zmq
 from hostile import Peer, Victim, client_keys, unknown_keys, wait_until
@@ -27,13 +30,6 @@ MB = 1 << 20
 
 #: Timings that keep the victim waiting for registrations for the whole test.
 WAITING = {"register_timeout_s": 60.0, "close_timeout_s": 1.0}
-
-
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def remote_victim(tmp_path, key_dir, port, remote_envs=1, **kwargs) -> Victim:
@@ -396,3 +392,51 @@ def test_construction_survives_a_hostile_remote_peer(tmp_path, key_dir, context,
         f"{attack}: the pool's construction raised {result['type']}: {result['error']}"
         f"{'' if probe else ' (it never answered the REGISTER sent after the attack)'}"
     )
+
+
+# ---------------------------------------------------------------- heavy headers
+
+
+@pytest.mark.parametrize("command", ["HEARTBEAT", "REGISTER"])
+def test_headers_of_a_million_objects_do_not_stall_a_pool(tmp_path, key_dir, context, command):
+    """A header is up to one Python object per byte: 256 KiB of empty msgpack arrays.
+
+    An authorized peer that never registers sends 40 such control messages a
+    second while the pool steps its local env 200 times. Unpacked as they came,
+    each cost the pool ~250 ms of full garbage collections: not one round was
+    done in 30 s. A large HEARTBEAT is now dropped before it is unpacked; a
+    large REGISTER is unpacked with the collector paused, and a key gets
+    ``LARGE_CONTROL_BYTES_PER_S`` of them.
+    """
+    port = free_port_base(HOST)
+    with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
+        victim.wait("constructed", timeout_s=60)
+        hello = victim.hello
+        count = (MB // 4) - 200
+        fields = [hello.version, hello.commands[command], -1, 0, b"", [], {"j": []}]
+        # The body's empty list, swapped for an array32 of `count` empty arrays.
+        junk = msgpack.packb(fields, use_bin_type=True)[:-1]
+        junk += b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+        flooder = Peer(
+            context, f"tcp://{HOST}:{port}", curve=client_keys(key_dir, 0), identity=b"heavy"
+        )
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.wait(1 / 40):
+                with contextlib.suppress(zmq.Again):
+                    flooder.sock.send(junk, zmq.NOBLOCK)
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            started = time.monotonic()
+            victim.command('step-envs {"envs": [0], "timeout": 30, "rounds": 200}')
+            rounds = victim.wait("stepped_envs", timeout_s=60)["rounds"]
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            thread.join(5)
+    done = sum(1 for r in rounds if "0" in r["results"])
+    assert (done, len(rounds)) == (200, 200), rounds[:1]
+    assert took < 20, f"200 rounds of a local env took {took:.1f} s under the flood"

@@ -36,7 +36,7 @@ from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
 from zmqpool.roster import Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.specs import spec_from_data, spec_to_data
 from zmqpool.state import Ledger
-from zmqpool.wire import Command, Header
+from zmqpool.wire import Command, Header, peek_command
 
 log = logging.getLogger("zmqpool")
 
@@ -47,6 +47,39 @@ Checked = tuple[Any, Any, Layout]
 _REMOTE_LAYOUTS = 32
 #: A heartbeat from a worker's own heartbeat socket carries this suffix.
 _HEARTBEAT_SUFFIX = b"!hb"
+#: The largest control message other than those below: a HEARTBEAT is a few dozen
+#: bytes. Larger ones are dropped before they are unpacked, so that a peer cannot
+#: make the trainer build a Python object for every byte of every heartbeat.
+MAX_SMALL_CONTROL_BYTES = 4 << 10
+#: What may be larger: a REGISTER carries specs, a FAILED a traceback.
+_LARGE_CONTROL = (Command.REGISTER, Command.FAILED)
+#: Bytes of large control messages a remote key may have unpacked per second, and
+#: at once: 100 workers sharing a key, each registering 40 KB of specs, start at once.
+LARGE_CONTROL_BYTES_PER_S = 1 << 20
+LARGE_CONTROL_BURST = 8 << 20
+
+
+class ByteBudget:
+    """A token bucket of bytes per peer: ``rate`` a second, at most ``burst`` saved up.
+
+    Peers are CURVE keys the ZAP handler let in, so the buckets are as many as
+    the authorized keys (at most).
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str | None, tuple[float, float]] = {}
+
+    def take(self, peer: str | None, nbytes: int) -> bool:
+        """Spend ``nbytes`` of ``peer``'s budget if it has them; whether it had."""
+        now = time.monotonic()
+        level, then = self._buckets.get(peer, (self.burst, now))
+        level = min(self.burst, level + (now - then) * self.rate)
+        if level < nbytes:
+            self._buckets[peer] = (level, now)
+            return False
+        self._buckets[peer] = (level - nbytes, now)
+        return True
 
 
 def first_difference(a: Any, b: Any, path: str = "specs") -> str | None:
@@ -99,6 +132,7 @@ class Registrar:
         self.same_specs = same_specs
         self.remote_spec = remote_spec
         self._remote_set = frozenset(roster.remote_indices)
+        self._large_control_budget = ByteBudget(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
         self.revoked: set[str] = set()
         self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
@@ -114,8 +148,11 @@ class Registrar:
         if not frames:
             self.ledger.drop("control message without a header")
             return
+        data = frames[0].buffer
+        if len(data) > MAX_SMALL_CONTROL_BYTES and not self._may_unpack(data, frames[0], remote):
+            return
         try:
-            header = Header.decode(frames[0].buffer)
+            header = Header.decode(data)
         except VersionMismatchError as err:
             self._refuse_version(identity, err, remote)
             return
@@ -131,6 +168,23 @@ class Registrar:
             self._on_failed(identity, key, header, remote)
         else:
             self.ledger.drop("unexpected command on the control socket")
+
+    def _may_unpack(self, data: memoryview, first: zmq.Frame, remote: bool) -> bool:
+        """Whether a large control message is worth unpacking (dropped and counted if not).
+
+        Checked before unpacking: a body is up to one Python object per byte,
+        ~0.1 us each. Only a REGISTER or a FAILED may be large, and a remote
+        key gets :data:`LARGE_CONTROL_BYTES_PER_S` of them (a worker registers
+        once a start; a key flooding registrations costs the trainer a bounded
+        share of its time, not all of it).
+        """
+        if peek_command(data) not in _LARGE_CONTROL:
+            self.ledger.drop("a large control message that is not a registration")
+            return False
+        if remote and not self._large_control_budget.take(peer_key(first), len(data)):
+            self.ledger.drop("large control messages from one key beyond its rate")
+            return False
+        return True
 
     # ------------------------------------------------------------ who is talking
 

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -49,6 +50,8 @@ log = logging.getLogger("zmqpool")
 
 #: How many messages one poll drains from a socket before looking at the others.
 _DRAIN_BATCH = 256
+#: ... and for at most this long (then the pump returns, and the next one goes on).
+_DRAIN_SECONDS = 0.01
 #: What a CURVE handshake may take on the remote side before libzmq drops the peer (ms).
 _HANDSHAKE_MS = 5000
 #: The ZAP domain of the remote side's sockets (enforced: no handler, no peer).
@@ -259,12 +262,17 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 
 
 def _drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame], bool], None], remote: bool) -> bool:
+    # Bounded in time as well as in count: a peer's messages may each cost the trainer
+    # milliseconds, and the caller's deadline and the supervisor wait until it returns.
+    until = time.monotonic() + _DRAIN_SECONDS
     for _ in range(_DRAIN_BATCH):
         try:
             frames = recv_frames(sock)
         except zmq.Again:
             return True
         handle(frames, remote)
+        if time.monotonic() > until:
+            return False
     return False
 
 
