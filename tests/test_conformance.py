@@ -204,6 +204,50 @@ def shm_oracle():
     pool.close(raise_if_closed=False)
 
 
+def test_an_empty_list_of_makers_is_refused_as_torchrl_does():
+    assert_same_error(
+        lambda: AsyncEnvPool([], backend="threading"), lambda: ZMQAsyncEnvPool([], config=FAST)
+    )
+
+
+def test_torchrls_backend_argument_runs_unchanged():
+    # Code written for torchrl's pool passes its backend; the envs run in processes anyway.
+    pool = ZMQAsyncEnvPool(counting_makers(1), backend="threading", config=FAST)
+    try:
+        assert pool.reset()["observation"].tolist() == [[0]]
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="backend must be"):
+        ZMQAsyncEnvPool(counting_makers(1), backend="processes", config=FAST)
+
+
+def test_results_carry_the_device_of_the_envs():
+    # Envs built with device="cpu" return tensordicts on it, and so do SerialEnv's
+    # results. torchrl's pool is not consistent (its resets and the roots of its steps
+    # have no device, its step_and_maybe_reset has it everywhere): here every result
+    # has the envs' device, as SerialEnv's.
+    makers = counting_makers(2, device="cpu")
+    oracle = AsyncEnvPool(makers, backend="threading")
+    ours = ZMQAsyncEnvPool(makers, config=FAST)
+
+    def devices(pool) -> list:
+        td = pool.reset().exclude(ENV_INDEX)
+        td["action"] = torch.ones(2, 1, dtype=torch.int8)
+        pool.async_step_send(td, env_index=[0, 1])
+        stepped = pool.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+        pool.async_reset_send(env_index=1)
+        own = pool.async_reset_recv(env_index=1, timeout=RECV_TIMEOUT)
+        rollout = pool.rollout(3, break_when_any_done=False)
+        return [stepped.device, stepped["next"].device, own.device, rollout.device]
+
+    try:
+        assert devices(oracle)[1] == torch.device("cpu")  # the envs' own tensordicts have it
+        assert devices(ours) == [torch.device("cpu")] * 4
+    finally:
+        ours.close()
+        oracle.close()
+
+
 class TestCountingPool:
     """Every public method and private hook of torchrl's pool, on torchrl's CountingEnv."""
 
@@ -464,6 +508,18 @@ class TestCountingPool:
 
         o, z = pair.both(run)
         assert_same_td(o, z, f"per-env step of env {env}")
+
+    def test_two_sends_on_an_env_s_channel_get_a_recv_each_in_order(self, pair):
+        # torchrl's pool keeps one future per env: its first recv returns the second
+        # step and its next raises KeyError (README: where torchrl's pool falls short).
+        r = self._per_env_reset(pair.zmq, 1)
+        r.set("action", torch.ones((*r.shape, 1)))
+        pair.zmq.async_step_send(r, env_index=1)
+        pair.zmq.async_step_send(r, env_index=1)
+        first = pair.zmq.async_step_recv(env_index=1, timeout=RECV_TIMEOUT)
+        second = pair.zmq.async_step_recv(env_index=1, timeout=RECV_TIMEOUT)
+        assert first["next", "observation"].item() + 1 == second["next", "observation"].item()
+        assert int(first["env_index"]) == int(second["env_index"]) == 1
 
     @pytest.mark.parametrize("env", [0, 2])
     def test_per_env_step_and_maybe_reset(self, pair, env):
@@ -871,6 +927,22 @@ class SameCallsOnBoth:
     def test_step(self, pair):
         o, z = pair.both(lambda p: p.step(with_ones(p, p.reset())))
         self.same(o, z, "step() with ones")
+
+    def test_step_keeps_what_a_preset_next_holds(self, pair):
+        # EnvBase.step keeps the entries of a "next" the input already has that the
+        # env does not set; the env must see that "next" to do so.
+        def run(p):
+            td = with_ones(p, p.reset())
+            td["next", "preset"] = torch.zeros(td.shape)
+            return p.step(td)
+
+        o, z = pair.both(run)
+        assert ("next", "preset") in z.keys(True)
+        self.same(o, z, "step() of a tensordict with a preset next entry")
+
+    def test_reset_of_a_stepped_tensordict(self, pair):
+        o, z = pair.both(lambda p: p.reset(p.step(with_ones(p, p.reset()))))
+        self.same(o, z, "reset() of step()'s result, its next and all")
 
     def test_rand_step(self, pair):
         def run(p):

@@ -318,8 +318,9 @@ class _Opaque:
     [
         lambda: NonTensorStack(_Opaque(), _Opaque()),
         lambda: torch.zeros(2, 1, dtype=torch.float8_e4m3fn),
+        lambda: torch.stack([torch.eye(2).to_sparse()] * 2),  # its bytes are not its values
     ],
-    ids=["object", "float8"],
+    ids=["object", "float8", "sparse"],
 )
 def test_pool_refuses_a_value_that_cannot_cross_the_wire(pool, fresh, entry):
     td = actions(2).set("extra", entry())

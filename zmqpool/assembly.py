@@ -1,7 +1,8 @@
 """Between the caller's tensordicts and the wire: what a request carries, what a recv returns.
 
 - :meth:`Assembler.payloads`: what is sent for each env of a batch (everything
-  but ``env_index`` and a stale ``"next"``). The pool keeps it as the request's
+  but ``env_index``; a ``"next"`` goes too, as an env in-process sees it: torchrl's
+  ``step`` keeps what it holds that the env does not set). The pool keeps it as the request's
   input too: a step's result is rebuilt from it, so the caller's tensordict is
   not held while the env runs.
 - :meth:`Assembler.assemble`: replies in, torchrl's result out: a step's
@@ -56,6 +57,9 @@ class Assembler:
         stack_func: the matching tensordict stacking function.
         child_specs: each env's ``specs``, to synthesize restart truncations.
         zero_copy_threshold: leaves at least this large get a frame of their own.
+        device: the envs' device, if they share one: results carry it, as the
+            envs' own tensordicts and their stack do (built from bytes, they
+            would have none).
     """
 
     def __init__(
@@ -64,20 +68,22 @@ class Assembler:
         stack_func: Callable,
         child_specs: Sequence[Any],
         zero_copy_threshold: int = ZERO_COPY_THRESHOLD,
+        device: torch.device | None = None,
     ) -> None:
         self.dense = stack == "dense"
         self.stack_func = stack_func
         self.child_specs = child_specs
         self.packer = RowPacker(zero_copy_threshold)
+        self.device = device
 
     # ------------------------------------------------------------ sending
 
     def payloads(self, batch: TensorDictBase) -> Sequence[Part]:
-        """A payload per env of ``batch`` (its first dim), without ``env_index`` and ``"next"``."""
+        """A payload per env of ``batch`` (its first dim), without ``env_index``."""
         rows = self._packed_rows(batch) if self.dense else None
         if rows is not None:
             return rows
-        payloads = batch.exclude(ENV_INDEX, "next").unbind(0)
+        payloads = batch.exclude(ENV_INDEX).unbind(0)
         for payload in payloads:
             check_crossable(payload)  # before any is sent: refuse the batch, not half of it
         return payloads
@@ -87,7 +93,7 @@ class Assembler:
         # rows would come back; anything else keeps its TensorDicts.
         if type(batch) is not TensorDict or batch.device not in (None, _CPU):
             return None
-        return self.packer.pack(batch, exclude=(ENV_INDEX, "next"))
+        return self.packer.pack(batch, exclude=(ENV_INDEX,))
 
     # ------------------------------------------------------------ receiving
 
@@ -121,16 +127,22 @@ class Assembler:
         """
         command = reply.pending.command
         if command in _WITH_NEXT:
-            root = _as_tensordict(self.input_part(reply))
-            root.set("next", _as_tensordict(self.next_part(reply)))
+            root = self._one(self.input_part(reply))
+            root.set("next", self._one(self.next_part(reply)))
         else:
-            root = _as_tensordict(self.next_part(reply))
+            root = self._one(self.next_part(reply))
         _set_one_index(root, reply.env)
         if command != Command.STEP_AND_MAYBE_RESET:
             return root, None
-        next_root = _as_tensordict(self.root_part(reply))
+        next_root = self._one(self.root_part(reply))
         _set_one_index(next_root, reply.env)
         return root, next_root
+
+    def _one(self, part: Part) -> TensorDictBase:
+        td = _as_tensordict(part)
+        if self.device is not None and td.device != self.device:
+            td = td.to(self.device)
+        return td
 
     def edited_roots(self, replies: list[Reply]) -> TensorDictBase | None:
         """The result roots stacked, if an env edited its input in place; else None."""
@@ -174,8 +186,12 @@ class Assembler:
 
     def stack(self, parts: list[Any]) -> TensorDictBase:
         if self.dense and _one_layout(parts):
-            return stack_parts(parts)
-        return self.stack_tds([_as_tensordict(p) for p in parts])
+            stacked: TensorDictBase = stack_parts(parts)
+        else:
+            stacked = self.stack_tds([_as_tensordict(p) for p in parts])
+        if self.device is not None and stacked.device != self.device:
+            stacked = stacked.to(self.device)
+        return stacked
 
     def stack_tds(self, tds: list[Any]) -> TensorDictBase:
         result = self.stack_func(tds)

@@ -11,11 +11,12 @@ event loop are the :class:`~zmqpool.runtime.Runtime`'s.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 from tensordict import TensorDictBase
@@ -39,6 +40,19 @@ from zmqpool.validation import step_input_spec
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _exclusive(method: _Method) -> _Method:
+    """The call holds the pool's gate: one thread at a time on its sockets (:mod:`zmqpool.gate`)."""
+
+    @functools.wraps(method)
+    def holding_the_gate(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
+        with self._runtime.gate:
+            return method(self, *args, **kwargs)
+
+    return holding_the_gate  # type: ignore[return-value]
 
 
 class ZMQAsyncEnvPool(AsyncEnvPool):
@@ -79,8 +93,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             specs (``stack="dense"``), or in a remote-only pool to the first
             remote worker's; with it, a worker bringing other specs is refused
             before they are built, and the results port is sized from it.
-        backend, exchange: accepted for compatibility with code written for
-            torchrl's pool; the transport is always ZeroMQ.
+        backend, exchange: torchrl's values are accepted, so that code written
+            for torchrl's pool runs unchanged; envs always run in worker
+            processes, reached over ZeroMQ.
 
     Example:
         >>> from zmqpool import ZMQAsyncEnvPool
@@ -112,8 +127,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         backend: str | None = None,
         exchange: str | None = None,
     ) -> None:
-        if backend not in (None, "multiprocessing"):
-            raise ValueError(f"ZMQAsyncEnvPool runs envs in processes; backend={backend!r}")
+        if backend not in (None, "multiprocessing", "threading"):
+            raise ValueError(
+                f"backend must be 'threading' or 'multiprocessing' (torchrl's), got {backend!r}"
+            )
+        if backend == "threading":  # code written for torchrl's pool runs unchanged
+            log.info("ZMQAsyncEnvPool runs envs in worker processes; backend='threading' is moot")
         if exchange not in (None, "queue", "shm", "auto"):
             raise ValueError(f"exchange must be 'queue', 'shm' or 'auto', got {exchange!r}")
         if is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
@@ -122,6 +141,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if on_env_error not in ("raise", "restart"):
             raise ValueError(f"on_env_error must be 'raise' or 'restart', got {on_env_error!r}")
         launchers = _as_list(remote_workers)
+        if not remote_envs and not launchers and _is_empty(env_makers):
+            raise ValueError("ZMQAsyncEnvPool needs at least one env maker (or remote_envs)")
         # Launched workers get keys the pool makes: it can make its own pair in memory too.
         keys = curve_keys if curve_keys is not None else ("in memory" if launchers else None)
         check_network_args(remote_envs + bool(launchers), bind, keys, insecure, local_transport)
@@ -168,7 +189,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._child_specs = self._runtime.start()
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
         self._assembler = Assembler(
-            self.stack, self._stack_func, self._child_specs, self.config.zero_copy_threshold_bytes
+            self.stack,
+            self._stack_func,
+            self._child_specs,
+            self.config.zero_copy_threshold_bytes,
+            _envs_device(self._child_specs),
         )
         self._indexer = EnvIndexer(
             self._env_batch_sizes, self.device, self.stack == "dense", self._assembler.set_env_index
@@ -242,6 +267,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ sync API
 
+    @_exclusive
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
         self._check_idle(Kind.STEP)
@@ -263,6 +289,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if edited is not None:
             tensordict.update(edited.exclude(ENV_INDEX), inplace=True)
 
+    @_exclusive
     def step_and_maybe_reset(
         self, tensordict: TensorDictBase
     ) -> tuple[TensorDictBase, TensorDictBase]:
@@ -282,6 +309,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(next_root, idx)
         return tensordict, next_root
 
+    @_exclusive
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         self._check_open()
         return super().reset(tensordict, **kwargs)
@@ -293,6 +321,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ sending
 
+    @_exclusive
     def _send(
         self,
         command: Command,
@@ -373,6 +402,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """Step results and the next roots; the arguments are those of :meth:`async_step_recv`."""
         return self._results(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
 
+    @_exclusive
     def _results(
         self, kind: Kind, min_get, env_index, max_get, timeout
     ) -> tuple[TensorDictBase, TensorDictBase | None]:
@@ -384,6 +414,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             return self._assembler.assemble_one(replies[0])
         return self._assembler.assemble(replies)
 
+    @_exclusive
     def _recv(
         self,
         kind: Kind,
@@ -443,6 +474,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ seeding, closing
 
+    @_exclusive
     def _set_seed(self, seed: int | None) -> None:
         """Seed env ``i`` with ``seed + i`` (torchrl's pool raises NotImplementedError)."""
         self._check_open()
@@ -464,6 +496,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         return self._batch_stats.snapshot(reset=reset)
 
+    @_exclusive
     def env_stats(self, *, reset: bool = False) -> dict[int, dict[str, Any]]:
         """Per env: steps, restarts, the last restart's cause, step latency (ms, p50 and p99).
 
@@ -511,6 +544,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         process = self.worker_processes().get(env_index // self.envs_per_worker)
         return None if process is None else process.pid
 
+    @_exclusive
     def revoke_worker_key(self, key: str | bytes | os.PathLike) -> list[int]:
         """Refuse a remote worker key from now on: a ``.key`` file or its z85 public key.
 
@@ -532,7 +566,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def shutdown(self) -> None:
         """Stop every worker (bounded by ``config.close_timeout_s``) and remove the sockets."""
-        self._resources.release()
+        runtime = getattr(self, "_runtime", None)  # None: the pool failed to start
+        if runtime is None:
+            self._resources.release()
+        else:
+            with runtime.gate:  # not under another thread's feet: it sees the pool closed
+                self._resources.release()
         self.is_closed = True
 
     def __repr__(self) -> str:
@@ -544,3 +583,20 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _is_empty(env_makers: Any) -> bool:
+    return isinstance(env_makers, (list, tuple)) and not env_makers
+
+
+def _envs_device(child_specs: Sequence[Any]) -> torch.device | None:
+    """The device every env's tensordicts are on (None: none, or not all the same).
+
+    The pool's own ``device`` is None even then (torchrl's pool's is too), but
+    each env's result carries its env's, and so does their stack.
+    """
+    try:
+        devices = {spec["output_spec"].device for spec in child_specs}
+    except (KeyError, AttributeError):  # specs without an output_spec: nothing to follow
+        return None
+    return devices.pop() if len(devices) == 1 else None

@@ -40,6 +40,7 @@ from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
 from zmqpool.codec import DecodedPart, layout_of
 from zmqpool.config import PoolConfig
+from zmqpool.conformity import mark_misfits
 from zmqpool.endpoints import (
     Endpoints,
     ipc_endpoints,
@@ -47,8 +48,15 @@ from zmqpool.endpoints import (
     remove_private_dir,
     tcp_endpoints,
 )
-from zmqpool.errors import EnvError, EnvMakerError, RegistrationError, VersionMismatchError
+from zmqpool.errors import (
+    EnvError,
+    EnvMakerError,
+    PoolClosedError,
+    RegistrationError,
+    VersionMismatchError,
+)
 from zmqpool.events import Event, ProcessExited, WorkerFailed
+from zmqpool.gate import SHARED_SLICE_S, Gate
 from zmqpool.intake import Intake
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
 from zmqpool.layout import max_message_bytes
@@ -154,6 +162,8 @@ class Runtime:
         #: Whether the last recv waited for several results: a call's commands joined to a
         #: worker then ask it to keep their replies together (wire: rows joined, "h").
         self.hold_replies = False
+        #: One thread at a time (the pool's public calls hold it): see :mod:`zmqpool.gate`.
+        self.gate = Gate()
         self.intake = Intake(self.roster, self.ledger, self.liveness)
         self.registrar = Registrar(
             self.roster,
@@ -538,13 +548,15 @@ class Runtime:
                     f"async recv timed out: {self.ledger.count_ready(channel)}/{min_get} results "
                     f"after {timeout}s; they remain available to the next call."
                 )
-            drained, looked = self.pump(max(0.0, remaining)), True
+            drained, looked = self._wait(channel, min_get, max(0.0, remaining)), True
         if deadline is not None:
             awaiting = self.ledger.awaiting(channel)
             wanted = awaiting if max_get is None else min(awaiting, max_get)
             drained = self._batch_until(channel, wanted, deadline, drained)
         if not drained:  # a pump that read everything just now left nothing to take
             self.pump(0)
+        if self.plan.same_specs and channel[1] is None:  # a dense stack takes one structure
+            mark_misfits(self.ledger.ready.get(channel, ()))
         self._raise_ready_error(channel, raise_error)
         return sorted(self.ledger.take(channel, max_get), key=_BY_ENV)
 
@@ -556,7 +568,28 @@ class Runtime:
             remaining = self._remaining(deadline)
             if remaining <= 0:
                 break
-            drained = self.pump(remaining)
+            drained = self._wait(channel, 0, remaining)
+        return drained
+
+    def _wait(self, channel: Channel, min_get: int, timeout_s: float) -> bool:
+        """Pump for up to ``timeout_s``; if threads share the pool, a slice, then make way.
+
+        Another thread may take what this recv awaits meanwhile (both waiting on
+        the batch channel): with fewer than ``min_get`` left, it raises rather
+        than wait for replies that will not come.
+        """
+        gate = self.gate
+        if not gate.shared:
+            return self.pump(timeout_s)
+        drained = self.pump(min(timeout_s, SHARED_SLICE_S))
+        gate.make_way()
+        if self.resources.closed:  # by another thread, while this one made way
+            raise PoolClosedError("the pool was closed while this call waited")
+        if self.ledger.awaiting(channel) < min_get:
+            raise RuntimeError(
+                f"another thread took the {channel[0].value} results this recv awaited: "
+                f"{self.ledger.awaiting(channel)} left in flight, {min_get} wanted"
+            )
         return drained
 
     def _raise_ready_error(

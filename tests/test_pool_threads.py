@@ -1,0 +1,150 @@
+"""One pool, several threads: what torchrl's threading pool allows, on real processes and sockets.
+
+torchrl documents each env's own channel as safe for concurrent collector
+threads (``AsyncBatchedCollector`` runs a thread per env), and its pool lets
+one thread send while another receives. ZeroMQ sockets are not thread-safe:
+before the pool's gate (:mod:`zmqpool.gate`) this aborted libzmq, hung, or
+mixed two threads' frames into one malformed command. Each scenario runs on
+torchrl's ``AsyncEnvPool(backend="threading")`` too, as the oracle.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torchrl.envs import AsyncEnvPool
+
+from tests.conformance import counting_makers
+from zmqpool import PoolClosedError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.state import Kind
+
+NUM_ENVS = 3
+ROUNDS = 60
+JOIN_TIMEOUT_S = 60.0
+CONFIG = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    makers = counting_makers(NUM_ENVS, max_steps=10**9)
+    oracle = AsyncEnvPool(makers, backend="threading")
+    ours = ZMQAsyncEnvPool(makers, config=CONFIG)
+    yield {"oracle": oracle, "zmqpool": ours}
+    ours.close()
+    oracle.close()
+
+
+def run_threads(targets: list[Callable[[], None]]) -> list[str]:
+    """Run each target in a thread; the errors they raised (and any thread still running)."""
+    errors: list[str] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    errors += [f"{thread.name} still running" for thread in threads if thread.is_alive()]
+    return errors
+
+
+@pytest.mark.parametrize("which", ["oracle", "zmqpool"])
+def test_a_thread_per_env_on_its_own_channel(pools, which):
+    """AsyncBatchedCollector's pattern: each thread resets and steps its own env, at once."""
+    pool = pools[which]
+    seen: dict[int, list[float]] = {}
+
+    def drive(env: int) -> None:
+        pool.async_reset_send(env_index=env)
+        td = pool.async_reset_recv(env_index=env)
+        counts = seen.setdefault(env, [])
+        for _ in range(ROUNDS):
+            td["action"] = torch.ones(1, dtype=torch.int8)
+            pool.async_step_and_maybe_reset_send(td, env_index=env)
+            result, td = pool.async_step_and_maybe_reset_recv(env_index=env)
+            assert int(result["env_index"]) == env
+            counts.append(float(result["next", "observation"].item()))
+
+    errors = run_threads([lambda env=env: drive(env) for env in range(NUM_ENVS)])
+    assert not errors, errors
+    # CountingEnv counts from env's start value: every step of each env, once, in order.
+    assert seen == {env: [env + k for k in range(1, ROUNDS + 1)] for env in range(NUM_ENVS)}
+
+
+@pytest.mark.parametrize("which", ["oracle", "zmqpool"])
+def test_one_thread_sends_while_another_receives(pools, which):
+    """A producer sends each env's next step as soon as a consumer has its result."""
+    pool = pools[which]
+    root = pool.reset()
+    ready: queue.Queue[int] = queue.Queue()
+    received: list[tuple[int, float]] = []
+    total = ROUNDS * NUM_ENVS
+
+    def produce() -> None:
+        for env in range(NUM_ENVS):
+            ready.put(env)
+        for _ in range(total):
+            env = ready.get(timeout=JOIN_TIMEOUT_S)
+            row = root[[env]].exclude("env_index")
+            row["action"] = torch.ones(1, 1, dtype=torch.int8)
+            pool.async_step_send(row, env_index=[env])
+
+    def consume() -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(received) < total and time.monotonic() < deadline:
+            try:
+                out = pool.async_step_recv(min_get=1, timeout=5.0)
+            except RuntimeError as err:  # nothing in flight yet: the producer is behind
+                assert "Cannot await" in str(err)
+                time.sleep(0.001)
+                continue
+            for env, obs in zip(out["env_index"], out["next", "observation"], strict=True):
+                received.append((int(env), float(obs.item())))
+                ready.put(int(env))
+
+    errors = run_threads([consume, produce])
+    assert not errors, errors
+    # CountingEnv counts in the env: every step of each env, once (which env goes next
+    # depends on which reply came first, so each env's share of the steps varies).
+    assert len(received) == total
+    for env in range(NUM_ENVS):
+        counts = sorted(obs for e, obs in received if e == env)
+        start = float(root["observation"][env].item())
+        assert counts == [start + k for k in range(1, len(counts) + 1)], env
+
+
+def test_close_from_another_thread_ends_a_waiting_recv():
+    """A recv waiting without a timeout is ended by close() in another thread, at once."""
+    pool = ZMQAsyncEnvPool(counting_makers(1, step_delay=30.0), config=CONFIG)
+    pool.reset()
+    outcome: queue.Queue[BaseException | None] = queue.Queue()
+
+    def wait_for_a_slow_step() -> None:
+        try:
+            pool.async_step_send(pool.rand_action()[0], env_index=0)
+            pool.async_step_recv(env_index=0)
+            outcome.put(None)
+        except BaseException as err:
+            outcome.put(err)
+
+    thread = threading.Thread(target=wait_for_a_slow_step, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not pool.runtime.awaiting((Kind.STEP, 0)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the runtime's own count, bounded: the step is in flight
+    started = time.monotonic()
+    pool.close()
+    err = outcome.get(timeout=JOIN_TIMEOUT_S)
+    assert isinstance(err, PoolClosedError), err
+    assert time.monotonic() - started < 15.0  # close is bounded; the 30 s step is not awaited

@@ -1,0 +1,109 @@
+"""One thread at a time on a pool's sockets, and a waiting call that makes way for the others.
+
+torchrl's pool may be driven from several threads at once (its threading
+backend documents each env's own channel as safe for concurrent collector
+threads; ``AsyncBatchedCollector`` runs a thread per env). ZeroMQ sockets are
+not thread-safe, and neither is the pool's bookkeeping, so every public call
+of :class:`~zmqpool.pool.ZMQAsyncEnvPool` holds its :class:`Gate`.
+
+A recv waits for replies while holding the gate. Held for the whole wait, it
+would keep every other thread out for as long as an env steps, even a
+thread that only wants to send. So once a second thread has used the pool,
+the runtime waits in short slices (:attr:`Gate.slice_s`) and, between two,
+hands the gate to a thread that is waiting for it (:meth:`Gate.make_way`).
+A pool only ever driven from one thread pays a non-blocking acquire per
+call, and waits exactly as before.
+
+Example:
+    >>> gate = Gate()
+    >>> with gate:
+    ...     gate.make_way()  # nobody waiting: returns at once
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+#: Longest single wait on the sockets once several threads use a pool: how long a
+#: thread that wants to send may wait behind another's recv.
+SHARED_SLICE_S = 0.001
+#: How often a thread that made way looks whether its successor has the gate.
+_HANDOFF_POLL_S = 0.00005
+
+
+class Gate:
+    """A reentrant lock that knows whether anyone waits for it, and can hand itself over."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count_lock = threading.Lock()
+        self._waiting = 0
+        self._handoffs = 0  # taken by a waiter: a thread that made way waits for this
+        self._depth = 0
+        self._first_thread: int | None = None
+        #: Whether more than one thread has entered: then waits are sliced.
+        self.shared = False
+
+    @property
+    def slice_s(self) -> float | None:
+        """The longest wait on the sockets in one go (None: as long as the call needs)."""
+        return SHARED_SLICE_S if self.shared else None
+
+    def __enter__(self) -> Gate:
+        ident = threading.get_ident()
+        if ident != self._first_thread:
+            self._note_thread(ident)
+        if not self._lock.acquire(blocking=False):
+            self._wait_for_turn()
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._depth -= 1
+        self._lock.release()
+
+    def _note_thread(self, ident: int) -> None:
+        if self._first_thread is None:
+            self._first_thread = ident
+        else:
+            self.shared = True
+
+    def _wait_for_turn(self) -> None:
+        # Set before blocking: the holder may be waiting on its sockets, and from now on
+        # it must wait in slices and make way, or this thread waits for its whole recv.
+        self.shared = True
+        with self._count_lock:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count_lock:
+            self._waiting -= 1
+            self._handoffs += 1
+
+    def make_way(self) -> None:
+        """If a thread waits for the gate, let it through, then wait for the gate again.
+
+        Called by the thread holding the gate (at whatever depth), between two
+        slices of a wait; the caller's state is kept across, since nothing it
+        holds is half-done there.
+        """
+        if not self._waiting:
+            return
+        depth, handoffs = self._depth, self._handoffs
+        self._depth = 0
+        for _ in range(depth):
+            self._lock.release()
+        # A released lock is not handed over: this thread would take it straight back.
+        while self._handoffs == handoffs and self._waiting:
+            time.sleep(_HANDOFF_POLL_S)
+        if not self._lock.acquire(blocking=False):
+            self._wait_for_turn()
+        for _ in range(depth - 1):
+            self._lock.acquire()
+        self._depth = depth
