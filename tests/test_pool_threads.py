@@ -21,6 +21,7 @@ from torchrl.envs import AsyncEnvPool
 
 from tests.conformance import counting_makers
 from zmqpool import PoolClosedError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool.gate import Gate
 from zmqpool.state import Kind
 
 NUM_ENVS = 3
@@ -148,3 +149,38 @@ def test_close_from_another_thread_ends_a_waiting_recv():
     err = outcome.get(timeout=JOIN_TIMEOUT_S)
     assert isinstance(err, PoolClosedError), err
     assert time.monotonic() - started < 15.0  # close is bounded; the 30 s step is not awaited
+
+
+# ---------------------------------------------------------------- the gate itself
+
+
+def test_the_gate_hands_itself_to_a_waiting_thread_between_two_slices():
+    gate = Gate()
+    order: list[str] = []
+
+    def other() -> None:
+        with gate:
+            order.append("other")
+
+    with gate, gate:  # reentrant, as a sync step's send and recv inside it
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not gate.shared and time.monotonic() < deadline:
+            time.sleep(0.001)  # the gate's own flag: the other thread is waiting
+        assert gate.slice_s is not None
+        gate.make_way()  # what a recv does between two slices of its wait
+        order.append("main")
+    thread.join(JOIN_TIMEOUT_S)
+    assert order == ["other", "main"]
+
+
+def test_calls_that_never_overlap_leave_waits_whole():
+    """A pool built in one thread and driven in another waits as a single thread's."""
+    gate = Gate()
+    with gate:
+        pass
+    thread = threading.Thread(target=lambda: gate.__enter__() and gate.__exit__(None, None, None))
+    thread.start()
+    thread.join(JOIN_TIMEOUT_S)
+    assert not gate.shared and gate.slice_s is None

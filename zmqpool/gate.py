@@ -8,11 +8,13 @@ of :class:`~zmqpool.pool.ZMQAsyncEnvPool` holds its :class:`Gate`.
 
 A recv waits for replies while holding the gate. Held for the whole wait, it
 would keep every other thread out for as long as an env steps, even a
-thread that only wants to send. So once a second thread has used the pool,
-the runtime waits in short slices (:attr:`Gate.slice_s`) and, between two,
-hands the gate to a thread that is waiting for it (:meth:`Gate.make_way`).
-A pool only ever driven from one thread pays a non-blocking acquire per
-call, and waits exactly as before.
+thread that only wants to send. So once a thread has had to wait for the
+gate, the runtime waits in short slices (:attr:`Gate.slice_s`) and, between
+two, hands the gate to a thread that is waiting for it (:meth:`Gate.make_way`).
+The first such thread waits at most one unsliced wait (the runtime's are
+capped at a heartbeat interval). A pool whose calls never overlap (one
+thread, or one after another, as a pool built in one thread and driven in
+another) pays a non-blocking acquire per call, and waits exactly as before.
 
 Example:
     >>> gate = Gate()
@@ -42,8 +44,7 @@ class Gate:
         self._waiting = 0
         self._handoffs = 0  # taken by a waiter: a thread that made way waits for this
         self._depth = 0
-        self._first_thread: int | None = None
-        #: Whether more than one thread has entered: then waits are sliced.
+        #: Whether a thread has ever had to wait for the gate: then waits are sliced.
         self.shared = False
 
     @property
@@ -52,9 +53,6 @@ class Gate:
         return SHARED_SLICE_S if self.shared else None
 
     def __enter__(self) -> Gate:
-        ident = threading.get_ident()
-        if ident != self._first_thread:
-            self._note_thread(ident)
         if not self._lock.acquire(blocking=False):
             self._wait_for_turn()
         self._depth += 1
@@ -68,12 +66,6 @@ class Gate:
     ) -> None:
         self._depth -= 1
         self._lock.release()
-
-    def _note_thread(self, ident: int) -> None:
-        if self._first_thread is None:
-            self._first_thread = ident
-        else:
-            self.shared = True
 
     def _wait_for_turn(self) -> None:
         # Set before blocking: the holder may be waiting on its sockets, and from now on
