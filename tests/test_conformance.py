@@ -62,6 +62,7 @@ from tests.conformance import (
     env_index_kind,
     env_index_values,
     expected_env_index,
+    raised_by,
 )
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
@@ -285,6 +286,24 @@ class TestCountingPool:
     def test_reset_with_an_empty_tensordict(self, pair):
         o, z = pair.both(lambda p: p.reset(TensorDict(batch_size=[N])))
         assert_same_td(o, z, "reset(TensorDict(batch_size=[N]))")
+
+    @pytest.mark.parametrize("call", ["reset", "step", "step_and_maybe_reset"])
+    @pytest.mark.parametrize("shape", [[N - 1], [N, 1], []], ids=["fewer", "deeper", "none"])
+    def test_a_tensordict_of_another_batch_size_is_refused_as_serial_env_does(
+        self, pair, call, shape
+    ):
+        # torchrl's pool sends it, then waits for more envs than it addressed and stays
+        # busy (Cannot await...); SerialEnv refuses it, and so does zmqpool, first.
+        td = TensorDict({"action": torch.ones(*shape, 1)}, shape)
+        serial = SerialEnv(N, counting_makers(N))
+        try:
+            expected = raised_by(lambda: getattr(serial, call)(td.clone()))
+        finally:
+            serial.close(raise_if_closed=False)
+        assert isinstance(expected, RuntimeError), expected
+        with pytest.raises(RuntimeError, match=r"shape==env\.batch_size"):
+            getattr(pair.zmq, call)(td.clone())
+        assert pair.zmq.step(with_ones(pair.zmq, pair.zmq.reset())).shape == (N,)  # not busy
 
     def test_reset_with_the_previous_root(self, pair):
         # A user resetting from where a step left: reset(step_mdp(step(td))).

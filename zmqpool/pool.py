@@ -271,6 +271,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
         self._check_idle(Kind.STEP)
+        self._assert_tensordict_shape(tensordict)  # as SerialEnv: a wrong one would wedge
         # The indices go with the send, which tags the caller's tensordict with them:
         # set first and read back, they cost a NonTensorStack's tolist (~4 us an env) a step.
         self._send(Command.STEP, tensordict, list(range(tensordict.shape[0])), False)
@@ -300,6 +301,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         ``NonTensorStack``, as in every result.
         """
         self._check_idle(Kind.STEP_RESET)
+        self._assert_tensordict_shape(tensordict)
         idx = list(range(tensordict.shape[0]))
         self._send(Command.STEP_AND_MAYBE_RESET, tensordict, idx, False)  # tags it, as step's
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
@@ -311,7 +313,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_exclusive
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
+        """torchrl's ``reset``; a tensordict of another batch size than the pool's is refused.
+
+        As ``SerialEnv`` refuses it (``RuntimeError``), before anything is sent:
+        torchrl's pool sends it and then waits for more envs than it reset, and
+        the pool stays busy.
+        """
         self._check_open()
+        if tensordict is not None:
+            self._assert_tensordict_shape(tensordict)
         return super().reset(tensordict, **kwargs)
 
     def _check_idle(self, kind: Kind) -> None:
