@@ -37,6 +37,7 @@ def test_env_maker_error_names_the_env_and_leaves_nothing_behind(monkeypatch):
     with pytest.raises(EnvMakerError) as info:
         ZMQAsyncEnvPool(makers, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=FAST)
     assert info.value.env_index == 1
+    assert str(info.value).startswith("env 1: env maker raised ")  # the env named once
     assert "FaultyEnv 1 refuses to be built" in info.value.remote_traceback
     assert made and not any(os.path.exists(d) for d in made)
 

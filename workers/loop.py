@@ -864,8 +864,8 @@ class Worker:
             watch.close()
 
     def report_maker_failure(self, err: EnvMakerError) -> None:
-        text = str(err).split("\n", 1)[0]
-        failed = Failed.clipped(text, err.remote_traceback, FailureKind.MAKER)
+        # The pool names the env itself (EnvMakerError): the reason alone, not "env N: ...".
+        failed = Failed.clipped(err.reason, err.remote_traceback, FailureKind.MAKER)
         self._send_failed(err.env_index, failed)
 
     def _send_failed(self, env: int, failed: Failed) -> None:

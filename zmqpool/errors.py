@@ -41,11 +41,14 @@ class EnvError(ZMQPoolError, RuntimeError):
 
     Attributes:
         env_index: the pool index of the env that raised.
+        reason: what went wrong, without the env's index (the text's first line
+            is ``env <index>: <reason>``).
         remote_traceback: the traceback text formatted in the worker.
     """
 
     def __init__(self, env_index: int, message: str, remote_traceback: str = "") -> None:
         self.env_index = env_index
+        self.reason = message
         self.remote_traceback = remote_traceback
         text = f"env {env_index}: {message}"
         if remote_traceback:
