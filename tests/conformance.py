@@ -57,6 +57,24 @@ class SlowCountingEnv(TorchRLCountingEnv):
         return super()._step(tensordict)
 
 
+class InfoLeafEnv(TorchRLCountingEnv):
+    """torchrl's CountingEnv; with ``info=True`` each step's "next" has an undeclared leaf more.
+
+    Allowed (an env may return more than it declares), but not stackable with
+    the steps of envs without it.
+    """
+
+    def __init__(self, *args, info: bool = False, **kwargs) -> None:
+        self.info = info
+        super().__init__(*args, **kwargs)
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = super()._step(tensordict)
+        if self.info:
+            out.set("info", torch.zeros(1))
+        return out
+
+
 class ExtraKeyEnv(ZMQCountingEnv):
     """Not ``zmqpool.testing.CountingEnv``: another observation shape, and a key more.
 

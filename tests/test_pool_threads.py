@@ -11,6 +11,8 @@ torchrl's ``AsyncEnvPool(backend="threading")`` too, as the oracle.
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -184,3 +186,76 @@ def test_calls_that_never_overlap_leave_waits_whole():
     thread.start()
     thread.join(JOIN_TIMEOUT_S)
     assert not gate.shared and gate.slice_s is None
+
+
+#: Ctrl-C (SIGINT to the main thread) while the main thread waits for the gate another
+#: thread holds; that thread then makes way, as a recv does between two slices.
+_INTERRUPTED_WAITING = """
+import os, signal, threading
+from zmqpool.gate import Gate
+gate, held, go, done = Gate(), threading.Event(), threading.Event(), threading.Event()
+def holder():
+    with gate:
+        held.set()
+        go.wait(10)
+        gate.make_way()  # the interrupted thread no longer waits: nothing to wait for
+    done.set()
+threading.Thread(target=holder, daemon=True).start()
+held.wait(10)
+threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    with gate:
+        print("entered")
+except KeyboardInterrupt:
+    print("interrupted")
+go.set()
+print("holder done" if done.wait(5) else "holder stuck")
+"""
+
+#: Ctrl-C while the main thread, two calls deep (a sync step's recv), has made way to
+#: another thread and waits to take the gate back.
+_INTERRUPTED_MAKING_WAY = """
+import os, signal, threading, time
+from zmqpool.gate import Gate
+gate = Gate()
+def other():
+    time.sleep(0.1)
+    with gate:
+        time.sleep(0.5)  # the main thread's Ctrl-C comes while this one holds the gate
+threading.Thread(target=other, daemon=True).start()
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    with gate, gate:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+            gate.make_way()
+    print("not interrupted")
+except BaseException as err:
+    print(type(err).__name__)
+got = threading.Event()
+def later():
+    with gate:
+        got.set()
+threading.Thread(target=later, daemon=True).start()
+print("later thread got the gate" if got.wait(5) else "gate stuck")
+"""
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        (_INTERRUPTED_WAITING, ["interrupted", "holder done"]),
+        (_INTERRUPTED_MAKING_WAY, ["KeyboardInterrupt", "later thread got the gate"]),
+    ],
+    ids=["waiting", "making-way"],
+)
+def test_ctrl_c_leaves_the_gate_whole(script, expected):
+    """A KeyboardInterrupt comes through as itself, and the gate still works after it.
+
+    Before: an interrupted waiter stayed counted, and the holder's make_way spun for
+    ever; interrupted while making way, the unwinding released a lock the thread no
+    longer held (RuntimeError instead of the interrupt) and the gate stayed broken.
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == expected, out.stdout + out.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from typing import Any
 
 import hostile
@@ -28,13 +29,15 @@ import torch
 from hostile import ScriptedWorker, Victim, client_keys
 from tensordict import TensorDict
 
+from tests.conformance import InfoLeafEnv
 from tests.netns import free_port_base
+from zmqpool import PoolConfig, ZMQAsyncEnvPool
 from zmqpool.codec import Encoder, layout_of
 from zmqpool.conformity import mark_misfits
 from zmqpool.errors import EnvError
 from zmqpool.layout import Layout
 from zmqpool.limits import MAX_PEER_LAYOUT_BYTES
-from zmqpool.state import Pending, Reply
+from zmqpool.state import Kind, Pending, Reply
 from zmqpool.testing import CountingEnv
 from zmqpool.wire import Command
 
@@ -286,3 +289,27 @@ def test_a_tie_keeps_the_structure_with_fewer_entries():
     mark_misfits(replies)
     assert replies[1].error is None and "replied with extra" in str(replies[0].error)
     assert layout_of(step_next()) == replies[1].parts[0].layout
+
+
+def test_replies_of_unlike_structures_are_judged_with_those_they_are_stacked_with():
+    """With max_get=1 a recv stacks one reply, which always stacks: env 0's step with an
+    undeclared leaf is returned, as torchrl's pool returns it, even when the other envs'
+    replies are ready beside it (they were once judged all together, and env 0 failed)."""
+    makers = [functools.partial(InfoLeafEnv, info=env == 0) for env in range(3)]
+    pool = ZMQAsyncEnvPool(makers, config=PoolConfig(register_timeout_s=90.0))
+    try:
+        td = pool.reset().exclude("env_index")
+        td["action"] = torch.ones(3, 1)
+        pool.async_step_send(td, env_index=[0, 1, 2])
+        channel = (Kind.STEP, None)
+        deadline = time.monotonic() + 30
+        while pool.runtime.ledger.count_ready(channel) < 3 and time.monotonic() < deadline:
+            pool.runtime.pump(0.05)  # every reply in before the first recv
+        assert pool.runtime.ledger.count_ready(channel) == 3
+        got = [pool.async_step_recv(min_get=1, max_get=1, timeout=10) for _ in range(3)]
+        assert sorted(int(r["env_index"][0]) for r in got) == [0, 1, 2]
+        assert [("next", "info") in r.keys(True) for r in got if int(r["env_index"][0]) == 0] == [
+            True
+        ]
+    finally:
+        pool.close()

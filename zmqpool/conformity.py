@@ -261,7 +261,7 @@ def mark_misfits(replies: Sequence[Reply]) -> None:
             groups.setdefault(_reply_structure(reply), []).append(reply)
     if len(groups) < 2:
         return
-    kept = min(groups, key=lambda s: (-len(groups[s]), _entries(s), groups[s][0].env))
+    kept = min(groups, key=lambda s: (-len(groups[s]), _entries(s), min(r.env for r in groups[s])))
     for structure, members in groups.items():
         if structure is kept:
             continue

@@ -73,7 +73,12 @@ class Gate:
         self.shared = True
         with self._count_lock:
             self._waiting += 1
-        self._lock.acquire()
+        try:
+            self._lock.acquire()
+        except BaseException:  # an interrupt while waiting: no longer a waiter
+            with self._count_lock:
+                self._waiting -= 1
+            raise
         with self._count_lock:
             self._waiting -= 1
             self._handoffs += 1
@@ -91,11 +96,29 @@ class Gate:
         self._depth = 0
         for _ in range(depth):
             self._lock.release()
-        # A released lock is not handed over: this thread would take it straight back.
-        while self._handoffs == handoffs and self._waiting:
-            time.sleep(_HANDOFF_POLL_S)
-        if not self._lock.acquire(blocking=False):
-            self._wait_for_turn()
+        try:
+            # A released lock is not handed over: this thread would take it straight back.
+            while self._handoffs == handoffs and self._waiting:
+                time.sleep(_HANDOFF_POLL_S)
+        finally:
+            self._take_back(depth)
+
+    def _take_back(self, depth: int) -> None:
+        """Hold the gate again at ``depth``, even through an interrupt (raised after).
+
+        The caller's ``with`` blocks release it ``depth`` times as they unwind:
+        they must find it held, or a Ctrl-C here would leave the gate broken.
+        """
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                if not self._lock.acquire(blocking=False):
+                    self._wait_for_turn()
+                break
+            except BaseException as err:  # KeyboardInterrupt and the like: take it back first
+                interrupted = err
         for _ in range(depth - 1):
-            self._lock.acquire()
+            self._lock.acquire()  # held already: at once
         self._depth = depth
+        if interrupted is not None:
+            raise interrupted

@@ -556,7 +556,10 @@ class Runtime:
         if not drained:  # a pump that read everything just now left nothing to take
             self.pump(0)
         if self.plan.same_specs and channel[1] is None:  # a dense stack takes one structure
-            mark_misfits(self.ledger.ready.get(channel, ()))
+            # Of the replies this recv takes (oldest first, up to max_get): those left for
+            # a later recv are judged with the replies stacked with them then.
+            ready = self.ledger.ready.get(channel, [])
+            mark_misfits(ready if max_get is None else ready[:max_get])
         self._raise_ready_error(channel, raise_error)
         return sorted(self.ledger.take(channel, max_get), key=_BY_ENV)
 

@@ -329,13 +329,19 @@ PAUSE_GC_ABOVE_BYTES = 16 << 10
 
 
 def _unpack_collector_paused(data: bytes | memoryview) -> Any:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    finally:
-        if enabled:
-            gc.enable()
+    # One pause at a time in a process (two pools' threads may decode at once): else one
+    # could read "disabled" from the other's pause and leave the collector off for good.
+    with _GC_PAUSE:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        finally:
+            if enabled:
+                gc.enable()
+
+
+_GC_PAUSE = threading.Lock()
 
 
 def peek_command(data: bytes | memoryview) -> Command | None:
