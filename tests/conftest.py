@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import zmq
 
 from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_remote_host
 from zmqpool import PoolConfig, ZMQAsyncEnvPool, keep_fork_server
+from zmqpool import cli as zmqpool_cli
 from zmqpool.security import write_keys
 from zmqpool.testing import CountingEnv
 
@@ -51,6 +53,14 @@ def remote_host():
         print(f"\nremote-worker tests use 127.0.0.1: {host.why_not}")
     yield host
     remove_remote_host(host)
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory) -> Path:
+    """``zmqpool keygen DIR --workers 1``: the files a trainer and one worker get."""
+    root = tmp_path_factory.mktemp("keygen") / "keys"
+    assert zmqpool_cli.main(["keygen", str(root), "--workers", "1"]) == 0
+    return root
 
 
 @pytest.fixture(scope="session")

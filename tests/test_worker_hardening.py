@@ -31,7 +31,6 @@ import zmq
 from zmq.utils import z85
 
 import zmqpool
-from zmqpool import cli as zmqpool_cli
 from zmqpool.security import ClientKeys, ServerKeys, make_server
 from zmqpool.wire import Command, Header
 
@@ -71,14 +70,6 @@ class PeakMemory:
 
     def growth(self) -> float:
         return status_mb(self.pid, "VmHWM") - self.start
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> Path:
-    """``zmqpool keygen DIR --workers 1``: the files a trainer and a worker get."""
-    root = tmp_path_factory.mktemp("hardening") / "keys"
-    assert zmqpool_cli.main(["keygen", str(root), "--workers", "1"]) == 0
-    return root
 
 
 @contextlib.contextmanager
@@ -278,6 +269,22 @@ def test_a_fake_beats_or_results_endpoint_cannot_make_the_worker_allocate(
         trainer.close()
 
 
+@contextlib.contextmanager
+def welcomed_worker(
+    keys: Path, log: Path, beats: int
+) -> Iterator[tuple[FakeTrainer, subprocess.Popen]]:
+    """A worker process welcomed by a fake trainer, heard beating ``beats`` times."""
+    trainer = FakeTrainer(keys)
+    try:
+        with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
+            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
+            assert trainer.count_heartbeats(beats, 10.0) == beats, log.read_text()
+            assert trainer.identity is not None
+            yield trainer, proc
+    finally:
+        trainer.close()
+
+
 def test_a_command_over_the_limit_its_specs_imply_is_dropped_and_the_worker_serves_on(
     keys, tmp_path
 ):
@@ -287,41 +294,34 @@ def test_a_command_over_the_limit_its_specs_imply_is_dropped_and_the_worker_serv
     one whose keys were stolen) loses that one command: the worker's memory
     does not grow, and it connects again and answers the next command.
     """
-    trainer = FakeTrainer(keys)
     log = tmp_path / "w.log"
-    try:
-        with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
-            assert trainer.count_heartbeats(2, 10.0) == 2, log.read_text()
-            assert trainer.identity is not None
-            memory = PeakMemory(proc.pid)
-            step = Header(Command.STEP, 0, 1, layouts=(0,)).encode()
-            trainer.router.send_multipart([trainer.identity, step, bytes(128 << 20)], copy=False)
-            # Until the worker is connected again a command to it is lost: send one every
-            # half second, reading the ROUTER meanwhile as a pool does (it then sees the
-            # old connection go before the new one comes, and routes to the new one).
-            deadline, seq = time.monotonic() + 15.0, 1
-            while time.monotonic() < deadline and not trainer.pull.poll(0):
-                seq += 1
-                seed = Header(Command.SEED, 0, seq, body={"seed": 3}).encode()
-                trainer.router.send_multipart([trainer.identity, seed])
-                for _ in range(10):
-                    if trainer.pull.poll(25):
-                        break
-                    trainer.read_router(0.025)
-            assert trainer.pull.poll(0), f"the worker stopped answering\n{log.read_text()}"
-            replies = [Header.decode(trainer.pull.recv_multipart()[0])]
-            while trainer.pull.poll(200):
-                replies.append(Header.decode(trainer.pull.recv_multipart()[0]))
-            growth = memory.growth()
-            print(f"\npeak memory growth for a 128 MiB command: {growth:.1f} MB")
-            assert growth < MAX_GROWTH_MB, f"the worker's memory grew {growth:.0f} MB"
-            # The oversized STEP never reached the worker's code: no reply to it.
-            assert [r.seq for r in replies if r.seq == 1] == [], replies
-            assert any(r.command == Command.RESULT and r.seq > 1 for r in replies), replies
-            assert proc.poll() is None, log.read_text()
-    finally:
-        trainer.close()
+    with welcomed_worker(keys, log, beats=2) as (trainer, proc):
+        memory = PeakMemory(proc.pid)
+        step = Header(Command.STEP, 0, 1, layouts=(0,)).encode()
+        trainer.router.send_multipart([trainer.identity, step, bytes(128 << 20)], copy=False)
+        # Until the worker is connected again a command to it is lost: send one every
+        # half second, reading the ROUTER meanwhile as a pool does (it then sees the
+        # old connection go before the new one comes, and routes to the new one).
+        deadline, seq = time.monotonic() + 15.0, 1
+        while time.monotonic() < deadline and not trainer.pull.poll(0):
+            seq += 1
+            seed = Header(Command.SEED, 0, seq, body={"seed": 3}).encode()
+            trainer.router.send_multipart([trainer.identity, seed])
+            for _ in range(10):
+                if trainer.pull.poll(25):
+                    break
+                trainer.read_router(0.025)
+        assert trainer.pull.poll(0), f"the worker stopped answering\n{log.read_text()}"
+        replies = [Header.decode(trainer.pull.recv_multipart()[0])]
+        while trainer.pull.poll(200):
+            replies.append(Header.decode(trainer.pull.recv_multipart()[0]))
+        growth = memory.growth()
+        print(f"\npeak memory growth for a 128 MiB command: {growth:.1f} MB")
+        assert growth < MAX_GROWTH_MB, f"the worker's memory grew {growth:.0f} MB"
+        # The oversized STEP never reached the worker's code: no reply to it.
+        assert [r.seq for r in replies if r.seq == 1] == [], replies
+        assert any(r.command == Command.RESULT and r.seq > 1 for r in replies), replies
+        assert proc.poll() is None, log.read_text()
 
 
 # ---------------------------------------------------------------- heartbeats

@@ -32,12 +32,12 @@ from tests.test_worker_hardening import (
     FakeTrainer,
     PeakMemory,
     flood,
+    welcomed_worker,
     worker_process,
 )
 from workers.hosting import EnvHost
 from workers.loop import Worker, pool_endpoint
 from workers.supervise import REFUSED
-from zmqpool import cli as zmqpool_cli
 from zmqpool.errors import RegistrationError
 from zmqpool.protocol import Failed
 from zmqpool.security import make_server
@@ -53,13 +53,6 @@ SENT_MB = FRAMES * FRAME_BYTES / (1 << 20)
 #: sent); the worker's own copies, made before any check, used to add 1-2x more
 #: (measured: +399 MB for these 195 MiB, +1,867 MB for 684 MiB). Now +1x.
 MAX_GROWTH_PER_SENT = 1.5
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("limits") / "keys"
-    assert zmqpool_cli.main(["keygen", str(root), "--workers", "1"]) == 0
-    return root
 
 
 @pytest.fixture
@@ -120,30 +113,23 @@ def test_a_step_of_many_frames_is_refused_before_the_worker_copies_a_byte_of_it(
     worker copies none of it before the decoder refuses it, answers with an
     error, and serves on. Before, it copied every frame twice first (+586 MB).
     """
-    trainer = FakeTrainer(keys)
     log = tmp_path / "w.log"
-    try:
-        with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
-            assert trainer.count_heartbeats(1, 10.0) == 1, log.read_text()
-            assert trainer.identity is not None
-            memory = PeakMemory(proc.pid)
-            step = Header(Command.STEP, 0, 1, layouts=(0,)).encode()
-            frames = [step, *[bytes(FRAME_BYTES)] * FRAMES]
-            trainer.router.send_multipart([trainer.identity, *frames], copy=False)
-            replies = replies_until(trainer, 1, 20.0)
-            growth = memory.growth()
-            print(f"\na STEP of {SENT_MB:.0f} MiB in {FRAMES} frames: peak RSS +{growth:.0f} MB")
-            assert [(r.command, r.seq) for r in replies] == [(Command.ERROR, 1)], log.read_text()
-            assert growth < MAX_GROWTH_PER_SENT * SENT_MB, f"the worker grew {growth:.0f} MB"
-            # It serves on: a SEED is answered.
-            seed = Header(Command.SEED, 0, 2, body={"seed": 3}).encode()
-            trainer.router.send_multipart([trainer.identity, seed])
-            replies = replies_until(trainer, 2, 10.0)
-            assert [(r.command, r.seq) for r in replies] == [(Command.RESULT, 2)], log.read_text()
-            assert proc.poll() is None, log.read_text()
-    finally:
-        trainer.close()
+    with welcomed_worker(keys, log, beats=1) as (trainer, proc):
+        memory = PeakMemory(proc.pid)
+        step = Header(Command.STEP, 0, 1, layouts=(0,)).encode()
+        frames = [step, *[bytes(FRAME_BYTES)] * FRAMES]
+        trainer.router.send_multipart([trainer.identity, *frames], copy=False)
+        replies = replies_until(trainer, 1, 20.0)
+        growth = memory.growth()
+        print(f"\na STEP of {SENT_MB:.0f} MiB in {FRAMES} frames: peak RSS +{growth:.0f} MB")
+        assert [(r.command, r.seq) for r in replies] == [(Command.ERROR, 1)], log.read_text()
+        assert growth < MAX_GROWTH_PER_SENT * SENT_MB, f"the worker grew {growth:.0f} MB"
+        # It serves on: a SEED is answered.
+        seed = Header(Command.SEED, 0, 2, body={"seed": 3}).encode()
+        trainer.router.send_multipart([trainer.identity, seed])
+        replies = replies_until(trainer, 2, 10.0)
+        assert [(r.command, r.seq) for r in replies] == [(Command.RESULT, 2)], log.read_text()
+        assert proc.poll() is None, log.read_text()
 
 
 def test_joined_commands_over_what_a_pool_joins_are_refused_before_they_are_copied(tmp_path):

@@ -79,7 +79,7 @@ from workers.inline import PROBE_WAIT_S, SHORT_WAIT_S, InlineJudge, StepTimes
 from workers.replies import ReplyQueue
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
-from zmqpool.codec import DecodedPart, Decoder, Encoder, layout_of
+from zmqpool.codec import DecodedPart, Decoder, Encoder, frame_buffer, layout_of
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -516,7 +516,7 @@ class Worker:
 
     def _command_header(self, frame: Any) -> Header | None:
         try:
-            return Header.decode(_buffer_of(frame))
+            return Header.decode(frame_buffer(frame))
         except ProtocolError as err:
             self.dropped += 1
             log.warning("dropped a malformed command: %s", err)
@@ -669,7 +669,7 @@ class Worker:
         try:
             _check_joined_size(frames)  # before the copy: a pool joins at most this
             # One copy of each joined frame, writable (see _decoded); each row a view of it.
-            copies = [bytearray(_buffer_of(f)) for f in frames]
+            copies = [bytearray(frame_buffer(f)) for f in frames]
             rows = self.decoder.decode_rows(header, copies, len(envs))
         except ProtocolError as err:
             for inner in headers:
@@ -1095,11 +1095,6 @@ def command_frame_limit(host: EnvHost, router: str) -> int:
     return max_message_bytes(layout_of(env.specs.zero()) for env in host.envs.values())
 
 
-def _buffer_of(frame: Any) -> Any:
-    """A received frame's bytes without a copy: a ``zmq.Frame``'s buffer; bytes as they are."""
-    return getattr(frame, "buffer", frame)
-
-
 def _check_joined_size(frames: Sequence[Any]) -> None:
     """Refuse a COMMANDS whose joined frames add up to more than a pool ever joins.
 
@@ -1109,7 +1104,7 @@ def _check_joined_size(frames: Sequence[Any]) -> None:
     joined frames are copied: each may be as large as the DEALER's limit.
     Raises :class:`ProtocolError`.
     """
-    total = sum(memoryview(_buffer_of(frame)).nbytes for frame in frames)
+    total = sum(frame_buffer(frame).nbytes for frame in frames)
     if total > MAX_BATCH_BYTES:
         raise ProtocolError(
             f"joined commands of {total} bytes; a pool joins at most {MAX_BATCH_BYTES}"

@@ -713,7 +713,11 @@ def _has_shape(value: Any, shape: tuple[int, ...]) -> bool:
     return all(_has_shape(item, shape[1:]) for item in value)
 
 
-def _buffer(frame: Any) -> memoryview:
+def frame_buffer(frame: Any) -> memoryview:
+    """A received frame's bytes without a copy (a ``zmq.Frame``'s buffer, or bytes as a view).
+
+    Raises :class:`ProtocolError` if it is not bytes-like.
+    """
     buffer = getattr(frame, "buffer", frame)
     try:
         return buffer if isinstance(buffer, memoryview) else memoryview(buffer)
@@ -722,7 +726,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _bytes_view(frame: Any) -> memoryview:
-    buffer = _buffer(frame)
+    buffer = frame_buffer(frame)
     return buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
 
 
@@ -730,7 +734,7 @@ def _checked_buffers(sizes: list[int], frames: Sequence[Any], own_below: int) ->
     """Each frame as a view, size checked; those under ``own_below`` bytes copied (a tuple)."""
     buffers: list[Buffer] = []
     for frame, size in zip(frames, sizes, strict=True):
-        buffer = _buffer(frame)
+        buffer = frame_buffer(frame)
         if buffer.nbytes != size:
             raise ProtocolError(f"frame of {buffer.nbytes} bytes where the layout says {size}")
         buffers.append(buffer.tobytes() if size < own_below else buffer)

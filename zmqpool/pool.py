@@ -424,8 +424,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             return self._assembler.assemble_one(replies[0])
         return self._assembler.assemble(replies)
 
-    @_exclusive
-    def _recv(
+    def _recv(  # every caller (step, step_and_maybe_reset, _results) holds the gate
         self,
         kind: Kind,
         min_get: int | None,
