@@ -999,6 +999,71 @@ class SameCallsOnBoth:
         o, z = pair.both(run)
         self.same(o, z, f"rollout(8, break_when_any_done={break_when_any_done})")
 
+    # Partial steps: torchrl's pool sends every row to its env and fails to stack
+    # "next" ("The sets of keys ... are exclusive"); SerialEnv, the reference here,
+    # steps the envs the "_step" mask selects.
+
+    def same_as_serial_env(self, pool: ZMQAsyncEnvPool, run: Callable, what: str) -> Any:
+        """``run`` on ``SerialEnv`` of the same makers and on ``pool``: one result, or error."""
+        serial = SerialEnv(len(self.makers()), self.makers())
+        try:
+            expected, error = run(serial), None
+        except Exception as err:  # SerialEnv cannot run this structure: neither may we
+            expected, error = None, err
+        finally:
+            serial.close()
+        if error is not None:
+            with pytest.raises(type(error)):
+                run(pool)
+            return None
+        actual = run(pool)
+        assert_same_td(expected, actual, what, exclude=(ENV_INDEX,), check_type=self.check_type)
+        return expected
+
+    @pytest.mark.parametrize("selected", ["first", "none", "all"])
+    def test_a_step_mask_steps_only_the_envs_it_selects(self, pair, selected):
+        n = pair.zmq.num_envs
+        rows = {"first": [True] + [False] * (n - 1), "none": [False] * n, "all": [True] * n}
+
+        def run(p):
+            td = with_ones(p, p.reset())
+            mask = torch.tensor(rows[selected]).reshape(n, *[1] * (td.ndim - 1))
+            td["_step"] = mask.expand(td.shape).clone()
+            return p.step(td)
+
+        expected = self.same_as_serial_env(pair.zmq, run, f"step() with a {selected} '_step' mask")
+        if expected is not None and selected == "first":  # env 0 counted; the others held
+            held = expected["next", pair.zmq.done_keys[0]].reshape(n, -1)[1:]
+            assert not held.any()
+
+    def test_rollout_until_every_env_is_done_steps_only_those_still_running(self, pair):
+        def run(p):
+            ones = functools.partial(with_ones, p)
+            return p.rollout(8, ones, break_when_any_done=False, break_when_all_done=True)
+
+        rollout = self.same_as_serial_env(pair.zmq, run, "rollout(8, break_when_all_done=True)")
+        if rollout is not None:  # envs start at different counts: some wait for the others
+            done = rollout["next", pair.zmq.done_keys[0]].squeeze(-1)
+            by_step = done.movedim(rollout.ndim - 1, 0).reshape(rollout.shape[-1], -1)
+            assert (by_step.any(1) & ~by_step.all(1)).any()
+
+    def test_step_and_maybe_reset_with_a_step_mask(self, pair):
+        # EnvBase's: the partial step, then the done envs reset. SerialEnv zeroes the
+        # echoed action and mask in the root of an env it reset (its buffers): not compared.
+        def run(p):
+            results, roots, td = [], [], p.reset()
+            for i in range(6):
+                td = with_ones(p, td)
+                td["_step"] = torch.tensor([i % 2 == 0] + [True] * (td.shape[0] - 1))
+                td["_step"] = td["_step"].reshape(-1, *[1] * (td.ndim - 1)).expand(td.shape)
+                result, td = p.step_and_maybe_reset(td)
+                results.append(result.clone())
+                roots.append(td.exclude(*p.action_keys, "_step"))
+            both = {"results": torch.stack(results), "roots": torch.stack(roots)}
+            return TensorDict(both, batch_size=[6])
+
+        self.same_as_serial_env(pair.zmq, run, "step_and_maybe_reset() with a '_step' mask")
+
     def test_per_env_channel(self, pair):
         # torchrl's per-env channel: a result of the env's own batch size with
         # env_index a NonTensorData; an action built from it goes back with
@@ -1112,6 +1177,19 @@ class TestBatchedChildren(SameCallsOnBoth):
         for p in pair.pools:
             check_env_specs(p)
 
+    def test_a_step_mask_that_splits_an_env_is_refused(self, pair):
+        # Half of env 0's batch: SerialEnv raises ValueError, and so do we, before
+        # anything is sent.
+        def run(p):
+            td = with_ones(p, p.reset())
+            td["_step"] = torch.tensor([[True, False], [True, True]])
+            return p.step(td)
+
+        with pytest.raises(ValueError, match="_step"):
+            run(pair.zmq)
+        self.same_as_serial_env(pair.zmq, run, "step() with a mask that splits env 0")
+        self.test_a_step_mask_steps_only_the_envs_it_selects(pair, "first")  # still usable
+
 
 class TestHeterogeneousCountingEnv(SameCallsOnBoth):
     """torchrl's HeterogeneousCountingEnv (a lazy stack of 3 agents per env), stack="lazy"."""
@@ -1136,7 +1214,10 @@ class TestHeterogeneousCountingEnv(SameCallsOnBoth):
 
 
 def mixed_makers() -> list[Callable]:
-    return [functools.partial(ZMQCountingEnv, env_id=0), functools.partial(ExtraKeyEnv, env_id=1)]
+    return [
+        functools.partial(ZMQCountingEnv, env_id=0, max_steps=3),
+        functools.partial(ExtraKeyEnv, env_id=1, max_steps=5),
+    ]
 
 
 class TestTwoDifferentEnvsLazy(SameCallsOnBoth):

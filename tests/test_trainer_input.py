@@ -26,6 +26,7 @@ from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 
 from tests.conftest import FAST
 from zmqpool import ZMQAsyncEnvPool
+from zmqpool.partial import masked_envs
 from zmqpool.testing import CountingEnv
 from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input, env_index_arg
 
@@ -92,6 +93,32 @@ def test_spec_mismatches_pass_by_default_and_are_refused_when_strict(td, match):
     assert check_step_input(td, [0, 1], pool_input_spec(), NUM) == [0, 1]
     with pytest.raises(ValueError, match=match):
         check_step_input(td, [0, 1], pool_input_spec(), NUM, strict=True)
+
+
+@pytest.mark.parametrize(
+    "mask, envs",
+    [
+        ([True, False, True], [0, 2]),
+        ([[False], [True], [False]], [1]),
+        ([[True, True], [False, False], [True, True]], [0, 2]),
+        ([False, False, False], []),
+    ],
+)
+def test_a_step_mask_selects_whole_envs(mask, envs):
+    assert masked_envs(torch.tensor(mask), 3) == envs
+
+
+@pytest.mark.parametrize(
+    "mask, error, match",
+    [
+        (torch.tensor([1, 0, 1]), TypeError, "boolean tensor, got torch.int64"),
+        (torch.tensor([True, False]), ValueError, r"shape \(2,\) does not split into 3 envs"),
+        (torch.tensor([[True, False], [True, True], [True, True]]), ValueError, "whole envs"),
+    ],
+)
+def test_a_step_mask_that_can_never_work_is_refused(mask, error, match):
+    with pytest.raises(error, match=match):
+        masked_envs(mask, 3)
 
 
 def test_a_single_env_input_is_checked_without_the_env_dim():

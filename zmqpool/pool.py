@@ -33,6 +33,7 @@ from zmqpool.config import PoolConfig
 from zmqpool.errors import PoolClosedError
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
+from zmqpool.partial import STEP_MASK, fill_unstepped, masked_envs
 from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
@@ -272,12 +273,41 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
         self._check_idle(Kind.STEP)
         self._assert_tensordict_shape(tensordict)  # as SerialEnv: a wrong one would wedge
+        if STEP_MASK in tensordict:
+            return self._partial_step(tensordict)
         # The indices go with the send, which tags the caller's tensordict with them:
         # set first and read back, they cost a NonTensorStack's tolist (~4 us an env) a step.
         self._send(Command.STEP, tensordict, list(range(tensordict.shape[0])), False)
         replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
         self._apply_edits(tensordict, replies)
         tensordict.set("next", self._assembler.stack_next(replies))
+        return tensordict
+
+    def _partial_step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """``step`` with a ``"_step"`` mask: only the envs it selects step (:mod:`zmqpool.partial`).
+
+        As ``SerialEnv``: the mask stays in the tensordict (unless it selects
+        no env), the envs see neither it nor a preset ``"next"`` (whose
+        entries the result keeps, as ``EnvBase.step`` does), and what an env
+        writes into its input does not reach the caller's tensordict.
+        """
+        envs = masked_envs(tensordict.get(STEP_MASK), self.num_envs)
+        if len(envs) == self.num_envs:  # a full step, the mask kept
+            mask = tensordict.pop(STEP_MASK)
+            return self.step(tensordict).set(STEP_MASK, mask)
+        if not envs:
+            del tensordict[STEP_MASK]
+            stepped = self._skip_tensordict(tensordict)
+        else:
+            idx = list(range(self.num_envs))
+            self._send(Command.STEP, tensordict.exclude(STEP_MASK, "next")[envs], envs, False)
+            replies = self._recv(Kind.STEP, len(envs), None, None, None)
+            stepped = fill_unstepped(self._assembler.stack_next(replies), tensordict, envs)
+            self._assembler.set_env_index(tensordict, idx)
+        preset = tensordict.get("next", None)
+        if preset is not None:
+            stepped.update(preset.exclude(*stepped.keys(True, True)))
+        tensordict.set("next", stepped)
         return tensordict
 
     def _apply_edits(self, tensordict: TensorDictBase, replies: list[Reply]) -> None:
@@ -302,6 +332,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         self._check_idle(Kind.STEP_RESET)
         self._assert_tensordict_shape(tensordict)
+        if STEP_MASK in tensordict:
+            # EnvBase's: the partial step (ours, above), then the done envs reset
+            return EnvBase.step_and_maybe_reset(self, tensordict)
         idx = list(range(tensordict.shape[0]))
         self._send(Command.STEP_AND_MAYBE_RESET, tensordict, idx, False)  # tags it, as step's
         replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
