@@ -64,7 +64,7 @@ from tests.conformance import (
     expected_env_index,
     raised_by,
 )
-from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool import NothingInFlightError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
 
 FAST = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
@@ -527,6 +527,21 @@ class TestCountingPool:
 
         o, z = pair.both(run)
         assert_same_td(o, z, f"per-env step of env {env}")
+
+    @pytest.mark.parametrize("kind", ["step", "reset", "step_and_maybe_reset"])
+    def test_a_recv_on_an_env_s_channel_that_nothing_was_sent_on_raises(self, pair, kind):
+        # torchrl's pool raises KeyError (no future for the env); ours a KeyError
+        # that is also the RuntimeError it used to be, naming the env, at once.
+        recv = f"async_{kind}_recv"
+        error, took = elapsed(
+            lambda: assert_same_error(
+                lambda: getattr(pair.oracle, recv)(env_index=1),
+                lambda: getattr(pair.zmq, recv)(env_index=1, timeout=RECV_TIMEOUT),
+            )
+        )
+        assert isinstance(error, NothingInFlightError) and isinstance(error, RuntimeError)
+        assert str(error).startswith(f"env 1 has no {kind} in flight on its own channel")
+        assert took < RECV_TIMEOUT / 2
 
     def test_two_sends_on_an_env_s_channel_get_a_recv_each_in_order(self, pair):
         # torchrl's pool keeps one future per env: its first recv returns the second

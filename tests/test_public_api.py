@@ -12,6 +12,7 @@ def test_public_names_are_pinned():
         "EnvError",
         "EnvLostError",
         "EnvMakerError",
+        "NothingInFlightError",
         "PoolClosedError",
         "PoolConfig",
         "ProtocolError",
@@ -27,6 +28,8 @@ def test_public_names_are_pinned():
 def test_error_tree_keeps_torchrl_compatible_bases():
     assert issubclass(zmqpool.EnvError, RuntimeError)
     assert issubclass(zmqpool.ProtocolError, ValueError)
+    assert issubclass(zmqpool.NothingInFlightError, (RuntimeError, KeyError))
+    assert str(zmqpool.NothingInFlightError("env 1: nothing")) == "env 1: nothing"
     assert issubclass(zmqpool.CrashLoopError, zmqpool.EnvLostError)
     for name in zmqpool.__all__[:-1]:
         obj = getattr(zmqpool, name)

@@ -14,7 +14,9 @@ against torchrl's pool keeps working::
     │   └── EnvMakerError                the env maker itself raised
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
     │   └── CrashLoopError               restarts exceeded the configured limit
-    └── PoolClosedError (RuntimeError)   the pool was used after ``close()``
+    ├── PoolClosedError (RuntimeError)   the pool was used after ``close()``
+    └── NothingInFlightError (RuntimeError, KeyError)
+                                         a recv on an env's own channel that nothing was sent on
 """
 
 from __future__ import annotations
@@ -78,3 +80,14 @@ class CrashLoopError(EnvLostError):
 
 class PoolClosedError(ZMQPoolError, RuntimeError):
     """The pool was used after ``close()``."""
+
+
+class NothingInFlightError(ZMQPoolError, RuntimeError, KeyError):
+    """A recv on an env's own channel (``env_index=i``) that nothing was sent on.
+
+    It would wait for ever. torchrl's pool raises ``KeyError`` (it looks the
+    env's future up), so this is a ``KeyError`` too, for code written
+    against it; its text is the message, not ``KeyError``'s quoted repr.
+    """
+
+    __str__ = Exception.__str__

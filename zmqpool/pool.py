@@ -30,7 +30,7 @@ from zmqpool.arguments import (
 )
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
-from zmqpool.errors import PoolClosedError
+from zmqpool.errors import NothingInFlightError, PoolClosedError
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
 from zmqpool.partial import STEP_MASK, fill_unstepped, masked_envs
@@ -489,7 +489,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """An env's own channel: refuse a recv that nothing was sent for (it would wait forever)."""
         if self._runtime.awaiting(channel):
             return
-        raise RuntimeError(
+        raise NothingInFlightError(
             f"env {channel[1]} has no {channel[0].value} in flight on its own channel: "
             f"send one with env_index={channel[1]} first"
         )
