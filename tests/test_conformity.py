@@ -28,11 +28,11 @@ def next_part(observation_shape: tuple[int, ...], extra: bool = False):
 
 
 def test_a_reply_leaf_off_its_spec_shape_is_named_once_per_layout():
-    check = ReplyCheck(3, SPEC)
+    check = ReplyCheck(SPEC)
     assert check(next_part((4,))) is None
     assert check(next_part((4,), extra=True)) is None
     wrong = check(next_part((5,)))
-    assert wrong == "env 3 replied with observation of shape [5]; its spec says [4]"
+    assert wrong == "replied with observation of shape [5]; its spec says [4]"
     assert check(next_part((5,))) == wrong  # the same verdict, from the cache
 
 
@@ -44,10 +44,10 @@ def test_a_dynamic_spec_dim_takes_any_size_and_a_heterogeneous_spec_is_not_held(
             full_done_spec=Composite(done=Unbounded(shape=(1,), dtype=torch.bool)),
         )
     )
-    check = ReplyCheck(0, spec)
+    check = ReplyCheck(spec)
     assert check(next_part((9, 2))) is None
     assert "spec says [-1, 2]" in (check(next_part((9, 3))) or "")
-    assert ReplyCheck(0, object()).shapes == {}  # nothing to hold it to: nothing refused
+    assert ReplyCheck(object()).shapes == {}  # nothing to hold it to: nothing refused
 
 
 def test_a_bounded_leaf_costs_its_box_and_zero_and_a_budget_refuses_it_before_building():

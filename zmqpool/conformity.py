@@ -123,12 +123,11 @@ class ReplyCheck:
 
     ``check(layout, pending)`` judges a reply's first part, ``check.part(layout,
     pending, index)`` any; without ``pending`` only the declared leaves'
-    shapes and dtypes are held. Each returns what is wrong (naming the env and
-    the leaf), or None.
+    shapes and dtypes are held. Each returns what is wrong (naming the leaf;
+    the env's :class:`~zmqpool.errors.EnvError` names the env), or None.
     """
 
-    def __init__(self, env: int, spec: Any) -> None:
-        self.env = env
+    def __init__(self, spec: Any) -> None:
         self.expected, keys = _declared(spec)
         self.shapes = {key: shape for key, (shape, _) in self.expected.items()}
         # An expectation's verdict key -> the keys a part judged under it must carry.
@@ -166,7 +165,7 @@ class ReplyCheck:
         verdict = layout.notes.get(key)
         if verdict is None:
             verdict = self._noted(layout, key)
-        return f"env {self.env} {verdict}" if verdict else None
+        return verdict or None
 
     def part(self, layout: Layout, pending: Pending, index: int) -> str | None:
         """What is wrong with part ``index`` of a reply to ``pending``, or None."""
@@ -175,7 +174,7 @@ class ReplyCheck:
         verdict = layout.notes.get(key)
         if verdict is None:
             verdict = self._noted(layout, key)
-        return f"env {self.env} {verdict}" if verdict else None
+        return verdict or None
 
     def _noted(self, layout: Layout, key: str) -> str:
         notes = layout.notes
@@ -267,7 +266,7 @@ def mark_misfits(replies: Sequence[Reply]) -> None:
             continue
         wrong = _difference(structure, kept)
         for reply in members:
-            reply.error = EnvError(reply.env, f"env {reply.env} {wrong}")
+            reply.error = EnvError(reply.env, wrong)
             reply.parts = []
 
 

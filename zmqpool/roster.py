@@ -250,7 +250,7 @@ class Roster:
             env.holder, env.link, env.lost, env.vacant_since = record, link, None, None
             self.lost.discard(index)
             if env.spec_data != data or env.check is None:
-                env.check = ReplyCheck(index, spec)
+                env.check = ReplyCheck(spec)
             env.spec_data, env.spec = data, spec
         return rejoin
 
