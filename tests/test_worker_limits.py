@@ -266,3 +266,6 @@ def test_a_supervisors_worker_identities_cannot_be_guessed():
     assert first.identity(1) != second.identity(1)
     nonce = first.identity(1).decode().rsplit("-", 1)[1]
     assert len(nonce) == 16 and int(nonce, 16) >= 0
+    # --identity names the children, and keeps their nonce.
+    named = Supervisor(2, lambda k, identity: 0, prefix="rack7")
+    assert named.identity(0) == f"rack7-0-{named.nonce}".encode()

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect", required=True, help="the pool's ROUTER endpoint")
     parser.add_argument(
         "--identity",
-        help="routing identity (default: host-pid-<random>; one others can guess can be "
-        "taken by another key's holder first)",
+        help="routing identity of a --single-process worker (default: host-pid-<random>; "
+        "one others can guess can be taken by another key's holder first); with a "
+        "supervisor, each child's is <identity>-<k>-<random> (default identity: host-pid)",
     )
     parser.add_argument("--env", help="importable env maker, package.module:callable")
     parser.add_argument(
@@ -142,7 +143,7 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
     keys = _client_keys(args)
     if remote and not args.single_process:
         run_child = functools.partial(_serve_remote_child, args, keys)
-        return Supervisor(args.num_envs, run_child).run()
+        return Supervisor(args.num_envs, run_child, args.identity).run()
     # Unguessable by default: see workers/supervise.py on routing identities.
     default = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(8)}"
     identity = (args.identity or default).encode()

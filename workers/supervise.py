@@ -3,7 +3,8 @@
 ``python -m workers --connect tcp://HOST:PORT --env pkg.mod:make --num-envs K``
 runs this: it imports torch and torchrl once, then forks one worker process
 per env (fast, like the pool's fork server). Each child has a stable
-identity, ``<host>-<supervisor pid>-<k>-<nonce>``, so when it crashes and is
+identity, ``<host>-<supervisor pid>-<k>-<nonce>`` (``--identity`` replaces
+``<host>-<supervisor pid>``), so when it crashes and is
 forked again it rejoins the pool as the same worker: the pool answers its
 requests in flight with truncations, as for a local restart. The nonce (64
 random bits, one per supervisor) keeps it unguessable: a ZeroMQ ROUTER keeps
@@ -47,16 +48,20 @@ _BACKOFF_S = (0.05, 5.0)
 class Supervisor:
     """Forks ``count`` children running ``run_child(k)`` and keeps them alive."""
 
-    def __init__(self, count: int, run_child: Callable[[int, bytes], int]) -> None:
+    def __init__(
+        self, count: int, run_child: Callable[[int, bytes], int], prefix: str | None = None
+    ) -> None:
         self.count = count
         self.run_child = run_child
         self.children: dict[int, int] = {}  # pid -> k
         self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
         self.stopping = False
+        self.prefix = prefix or f"{socket.gethostname()}-{os.getpid()}"
         self.nonce = secrets.token_hex(8)
 
     def identity(self, k: int) -> bytes:
-        return f"{socket.gethostname()}-{os.getpid()}-{k}-{self.nonce}".encode()
+        """Child ``k``'s routing identity: ``<prefix>-<k>-<nonce>`` (prefix: ``--identity``)."""
+        return f"{self.prefix}-{k}-{self.nonce}".encode()
 
     def start(self, k: int) -> None:
         identity = self.identity(k)

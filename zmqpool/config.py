@@ -32,7 +32,8 @@ class PoolConfig:
         5.0
     """
 
-    #: how long construction waits for every env slot to register.
+    #: how long construction waits for every env slot to register; also bounds
+    #: a replacement fork server's start and each env's ``set_seed`` reply.
     register_timeout_s: float = 120.0
     #: how long ``close()`` waits for workers to exit before killing them.
     close_timeout_s: float = 3.0
@@ -49,18 +50,20 @@ class PoolConfig:
     #: is a crash loop and raises.
     max_restarts: int = 5
     restart_window_s: float = 60.0
-    #: first restart delay, doubled for each restart within the window.
+    #: first restart delay, doubled for each restart within the window, up
+    #: to ``restart_backoff_max_s``.
     restart_backoff_s: float = 0.05
     restart_backoff_max_s: float = 2.0
     #: a remote worker silent past the heartbeat timeout has this long to
     #: rejoin (itself or a replacement) before its envs are reported lost.
     rejoin_timeout_s: float = 60.0
-    #: leaves at least this large travel as their own zero-copy frame.
+    #: leaves at least this large travel in the pool's commands as their own
+    #: zero-copy frame (workers' replies: always 64 KiB).
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
     #: the largest frame a remote worker may send on the TCP results port (a
     #: result's leaf, or its header) when the remote slots have no reference
     #: spec to size it from (a remote-only pool without ``remote_spec``, or a
-    #: lazy stack); libzmq refuses a larger frame before allocating it.
+    #: stack other than ``"dense"``); libzmq refuses a larger frame before allocating it.
     max_remote_frame_bytes: int = 64 << 20
     #: what a remote worker's specs may cost the trainer once built (a
     #: bounded leaf's low, high and zero at full shape), checked before

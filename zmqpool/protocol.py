@@ -57,14 +57,12 @@ worker judges the pool lost after ``heartbeat_liveness`` missed PINGs of
 only the worker's (how long it waits to register) is its own default,
 :data:`workers.loop.REGISTER_TIMEOUT_S`.
 
-Versions. These bodies are those of protocol version 2 (:data:`zmqpool.wire.
-PROTOCOL_VERSION`) with one key added, WELCOME's ``heartbeat_liveness``, and the
-version was not bumped for it: a version-2 worker ignores a key it does not
-know (and its own liveness, 10, is the pool's default), so it cannot misread
-the new WELCOME. The other way round, a worker of this module refuses a
-version-2 pool's WELCOME (a key missing) with a
+Versions. These bodies are those of :data:`zmqpool.wire.PROTOCOL_VERSION`.
+Every message carries the version in its header, and a peer of another
+version is refused there (a worker exits with a
 :class:`~zmqpool.errors.RegistrationError` telling the user to run the same
-zmqpool on both sides, rather than guess the pool's liveness.
+zmqpool on both sides), so a body never has to be read by a peer of another
+version.
 
 The frame helpers, :func:`send_frames` and :func:`recv_frames`, are the one
 copy of the fast multipart send and receive that the broker and the worker
