@@ -1192,6 +1192,16 @@ class TestBatchedChildren(SameCallsOnBoth):
         for p in pair.pools:
             check_env_specs(p)
 
+    @pytest.mark.parametrize("transform", [StepCounter, RewardSum], ids=lambda t: t.__name__)
+    def test_transformed_env_rolls_out_as_over_serial_env(self, pair, transform):
+        # TransformedEnv calls the pool's _step, whose env_index was an (N,) tensor
+        # in torchrl's: "batch dimension mismatch" for children of batch size [2].
+        def run(p):
+            env = TransformedEnv(p, transform())  # not closed: that would close p
+            return env.rollout(4, functools.partial(with_ones, p), break_when_any_done=False)
+
+        self.same_as_serial_env(pair.zmq, run, f"TransformedEnv(pool, {transform.__name__}())")
+
     def test_a_step_mask_that_splits_an_env_is_refused(self, pair):
         # Half of env 0's batch: SerialEnv raises ValueError, and so do we, before
         # anything is sent.

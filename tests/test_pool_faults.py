@@ -82,3 +82,46 @@ def test_timeout_bounds_the_call_once_min_get_is_met(odd_pool):
     assert [int(i) for i in first["env_index"]] == [PLAIN]
     rest = odd_pool.async_step_recv(min_get=1, timeout=30)
     assert [int(i) for i in rest["env_index"]] == [SLOW]
+
+
+def test_sync_calls_after_an_env_error_find_the_pool_idle(odd_pool):
+    # SerialEnv raises the env's error and carries on; ours used to leave the other
+    # envs in flight, and every sync call after it raised "still processing".
+    td = odd_pool.reset()
+    td["action"] = torch.full((3, 1), 0.5)
+    td = odd_pool.step(td)["next"]  # count 1 everywhere
+    td["action"] = torch.full((3, 1), 0.5)
+    with pytest.raises(EnvError) as info:
+        odd_pool.step(td)  # env 0 raises at its step 2
+    assert info.value.env_index == RAISING
+    td = odd_pool.reset()
+    td["action"] = torch.full((3, 1), 0.5)
+    assert odd_pool.step(td)["next", "observation"][:, 1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_reset_that_raises_leaves_the_pool_idle():
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv,
+        create_env_kwargs=[
+            {"env_id": 0},
+            {"env_id": 1, "fault": "raise", "fault_at": 0, "every_episode": False},
+        ],
+        config=FAST,
+    )
+    try:
+        with pytest.raises(EnvError, match="FaultyEnv 1 failed"):
+            pool.reset()
+        assert pool.reset()["observation"][:, 0].tolist() == [0.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_timeout_bounds_a_recv_on_an_env_s_own_channel(odd_pool):
+    td = odd_pool.reset()
+    own = td[SLOW].exclude("env_index")
+    own["action"] = torch.full((1,), 0.5)
+    odd_pool.async_step_send(own, env_index=SLOW)
+    with pytest.raises(TimeoutError):
+        odd_pool.async_step_recv(env_index=SLOW, timeout=0.05)
+    out = odd_pool.async_step_recv(env_index=SLOW, timeout=30)  # kept for the next call
+    assert int(out["env_index"]) == SLOW and out["next", "observation"][:2].tolist() == [1.0, 1.0]

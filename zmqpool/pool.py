@@ -30,7 +30,7 @@ from zmqpool.arguments import (
 )
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
-from zmqpool.errors import NothingInFlightError, PoolClosedError
+from zmqpool.errors import EnvError, EnvLostError, NothingInFlightError, PoolClosedError
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
 from zmqpool.partial import STEP_MASK, fill_unstepped, masked_envs
@@ -278,7 +278,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # The indices go with the send, which tags the caller's tensordict with them:
         # set first and read back, they cost a NonTensorStack's tolist (~4 us an env) a step.
         self._send(Command.STEP, tensordict, list(range(tensordict.shape[0])), False)
-        replies = self._recv(Kind.STEP, self.num_envs, None, None, None)
+        replies = self._recv_every_env(Kind.STEP, self.num_envs)
         self._apply_edits(tensordict, replies)
         tensordict.set("next", self._assembler.stack_next(replies))
         return tensordict
@@ -301,7 +301,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         else:
             idx = list(range(self.num_envs))
             self._send(Command.STEP, tensordict.exclude(STEP_MASK, "next")[envs], envs, False)
-            replies = self._recv(Kind.STEP, len(envs), None, None, None)
+            replies = self._recv_every_env(Kind.STEP, len(envs))
             stepped = fill_unstepped(self._assembler.stack_next(replies), tensordict, envs)
             self._assembler.set_env_index(tensordict, idx)
         preset = tensordict.get("next", None)
@@ -309,6 +309,54 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             stepped.update(preset.exclude(*stepped.keys(True, True)))
         tensordict.set("next", stepped)
         return tensordict
+
+    @_exclusive
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """torchrl's hook, which ``TransformedEnv`` and ``SerialEnv`` call: the envs' ``"next"``.
+
+        torchrl's pool tags the input with ``env_index`` as an ``(N,)`` tensor,
+        which fails for envs with a batch size of their own; the send tags it
+        as every send does.
+        """
+        self._check_idle(Kind.STEP)
+        self._send(Command.STEP_RAW, tensordict, list(range(tensordict.shape[0])), False)
+        result = self._assembler.assemble(self._recv_every_env(Kind.STEP, self.num_envs))[0]
+        result.pop(ENV_INDEX)
+        return result
+
+    @_exclusive
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
+        try:
+            return super()._reset(tensordict, **kwargs)
+        except (EnvError, EnvLostError):
+            self._settle(Kind.RESET)
+            raise
+
+    def _recv_every_env(self, kind: Kind, count: int) -> list[Reply]:
+        """A sync call's recv of the ``count`` envs it sent to.
+
+        An env's error is raised once the other envs have answered too (their
+        results dropped), so that the next call finds the pool idle, as
+        ``SerialEnv``'s does: raised at once, it left the others in flight,
+        and every sync call after it refused ("Some envs are still processing").
+        """
+        try:
+            return self._recv(kind, count, None, None, None)
+        except (EnvError, EnvLostError):
+            self._settle(kind)
+            raise
+
+    def _settle(self, kind: Kind) -> None:
+        """Take (and drop) what the batch channel of ``kind`` still awaits, errors included."""
+        channel: Channel = (kind, None)
+        for _ in range(self.num_envs + 1):  # each round takes every reply, or one error
+            left = self._runtime.awaiting(channel)
+            if not left:
+                return
+            try:
+                self._recv(kind, left, None, None, None)
+            except (EnvError, EnvLostError) as err:
+                log.warning("dropped with the failed call: %s", str(err).splitlines()[0])
 
     def _apply_edits(self, tensordict: TensorDictBase, replies: list[Reply]) -> None:
         """What an env wrote into its input, written into the caller's, as in-process.
@@ -337,7 +385,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             return EnvBase.step_and_maybe_reset(self, tensordict)
         idx = list(range(tensordict.shape[0]))
         self._send(Command.STEP_AND_MAYBE_RESET, tensordict, idx, False)  # tags it, as step's
-        replies = self._recv(Kind.STEP_RESET, self.num_envs, None, None, None)
+        replies = self._recv_every_env(Kind.STEP_RESET, self.num_envs)
         self._apply_edits(tensordict, replies)
         tensordict.set("next", self._assembler.stack_next(replies))
         next_root = self._assembler.stack_roots(replies)
@@ -355,7 +403,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
-        return super().reset(tensordict, **kwargs)
+        try:
+            return super().reset(tensordict, **kwargs)
+        except (EnvError, EnvLostError):  # as _recv_every_env: the pool left idle
+            self._settle(Kind.RESET)
+            raise
 
     def _check_idle(self, kind: Kind) -> None:
         self._check_open()
@@ -470,7 +522,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             env_index = self._indexer.one(env_index)
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
-            replies = self._runtime.collect(channel, 1, 1, None, self._raise_taken)
+            replies = self._runtime.collect(channel, 1, 1, timeout, self._raise_taken)
             return self._note_restarted(replies)
         min_get = self.min_get if min_get is None else min_get
         self._check_recv_args(kind, min_get, max_get, timeout)
