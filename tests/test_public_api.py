@@ -43,3 +43,28 @@ def test_workers_help_runs():
     )
     assert out.returncode == 0
     assert "--connect" in out.stdout and "--env" in out.stdout
+
+
+def test_every_public_error_survives_pickling():
+    """A pool in a ProcessPoolExecutor job, or any multiprocessing worker, sends its errors
+    back pickled: one that cannot be rebuilt shows up as BrokenProcessPool instead."""
+    import pickle
+
+    examples = {
+        zmqpool.EnvError: zmqpool.EnvError(3, "boom", "Traceback...\nValueError: boom\n"),
+        zmqpool.EnvMakerError: zmqpool.EnvMakerError(1, "maker failed"),
+        zmqpool.EnvLostError: zmqpool.EnvLostError([2, 5], "worker died"),
+        zmqpool.CrashLoopError: zmqpool.CrashLoopError((4,), "restarted 3 times in 60 s"),
+        zmqpool.NothingInFlightError: zmqpool.NothingInFlightError("env 1: nothing in flight"),
+    }
+    classes = [getattr(zmqpool, name) for name in zmqpool.__all__]
+    classes = [c for c in classes if isinstance(c, type) and issubclass(c, BaseException)]
+    assert set(examples) <= set(classes)
+    attributes = ("env_index", "reason", "remote_traceback", "env_indices")
+    for cls in classes:
+        error = examples.get(cls) or cls(f"a {cls.__name__}")
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is cls
+        assert str(copy) == str(error) and copy.args == error.args
+        for name in attributes:
+            assert getattr(copy, name, None) == getattr(error, name, None), (cls, name)

@@ -12,11 +12,14 @@ a routing identity for whoever connects with it first, so another key's
 holder who could name it (or its heartbeat socket's, ``<identity>!hb``)
 ahead of the worker would have the worker's messages ignored. A child that cannot
 register (exit code 2: refused by the pool for wrong specs or no free slot, or
-specs too large to send) is not restarted.
+specs too large to send) is not restarted. SIGTERM or SIGINT (how Kubernetes,
+SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
+SIGKILLs those still alive after a grace period, and exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -43,6 +46,10 @@ def die_with_parent(parent_pid: int | None) -> None:
 
 
 _BACKOFF_S = (0.05, 5.0)
+#: How often the supervisor looks for dead children and for a stop request.
+_POLL_S = 0.1
+#: How long children get to end after SIGTERM, when the supervisor stops, before SIGKILL.
+_STOP_GRACE_S = 3.0
 
 
 class Supervisor:
@@ -55,6 +62,7 @@ class Supervisor:
         self.run_child = run_child
         self.children: dict[int, int] = {}  # pid -> k
         self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
+        self.restarts: dict[int, float] = {}  # k -> when to fork it again (time.monotonic())
         self.stopping = False
         self.prefix = prefix or f"{socket.gethostname()}-{os.getpid()}"
         self.nonce = secrets.token_hex(8)
@@ -83,15 +91,26 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._stop)
         for k in range(self.count):
             self.start(k)
-        while self.children and not self.stopping:
+        while (self.children or self.restarts) and not self.stopping:
             self._reap_one()
         self._kill_all()
         return 0
 
     def _reap_one(self) -> None:
+        """Reap a child that died and schedule its restart, or wait at most ``_POLL_S``.
+
+        Never blocks for long, so that a stop request is seen at once. A blocking
+        ``os.wait()`` was not enough: a signal does not end it, since Python runs the
+        handler (which only sets ``stopping``) and then retries the call (PEP 475),
+        so SIGTERM went unnoticed until a child happened to die. Nor does the
+        restart backoff sleep here: a restart is due at a time, checked each pass.
+        """
         try:
-            pid, status = os.wait()
-        except (ChildProcessError, InterruptedError):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child: only restarts are pending
+            pid, status = 0, 0
+        if pid == 0:
+            self._start_due()
             return
         k = self.children.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
@@ -103,16 +122,39 @@ class Supervisor:
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
         log.warning("env process %d (pid %d) ended (%d); restarting in %.2f s", k, pid, code, delay)
-        time.sleep(delay)
-        self.start(k)
+        self.restarts[k] = time.monotonic() + delay
+
+    def _start_due(self) -> None:
+        """Fork the children whose restart is due; else sleep until one is, ``_POLL_S`` at most."""
+        now = time.monotonic()
+        for k, when in sorted(self.restarts.items()):
+            if when <= now and not self.stopping:
+                del self.restarts[k]
+                self.start(k)
+        # A signal does not cut this sleep short either (PEP 475), hence the short bound.
+        pause = min([_POLL_S, *(when - now for when in self.restarts.values())])
+        time.sleep(max(pause, 0.0))
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
     def _kill_all(self) -> None:
-        for pid in list(self.children):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+        """SIGTERM the children, reap them; SIGKILL those alive after ``_STOP_GRACE_S``."""
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + _STOP_GRACE_S
+            while self.children and time.monotonic() < deadline:
+                for pid in list(self.children):
+                    try:
+                        done, _ = os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:  # reaped already
+                        done = pid
+                    if done:
+                        del self.children[pid]
+                if self.children:
+                    time.sleep(0.01)
+            if not self.children:
+                return
+        log.error("env processes %s outlived SIGKILL; leaving them", sorted(self.children))

@@ -23,7 +23,11 @@ from __future__ import annotations
 
 
 class ZMQPoolError(Exception):
-    """Base class of every error zmqpool raises on purpose."""
+    """Base class of every error zmqpool raises on purpose.
+
+    Every one can be pickled (a pool may run in a multiprocessing worker): a class
+    whose ``__init__`` does not take ``self.args`` back defines ``__reduce__``.
+    """
 
 
 class ProtocolError(ZMQPoolError, ValueError):
@@ -57,6 +61,12 @@ class EnvError(ZMQPoolError, RuntimeError):
             text += f"\n--- worker traceback ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple:
+        # BaseException rebuilds an error as cls(*self.args): here the formatted text alone,
+        # which __init__ does not take, so unpickling raised TypeError (a pool in a
+        # ProcessPoolExecutor job showed an env's error as BrokenProcessPool).
+        return type(self), (self.env_index, self.reason, self.remote_traceback), self.__dict__
+
 
 class EnvMakerError(EnvError):
     """The env maker raised while building an env in its worker."""
@@ -71,7 +81,12 @@ class EnvLostError(ZMQPoolError, RuntimeError):
 
     def __init__(self, env_indices: list[int], message: str) -> None:
         self.env_indices = list(env_indices)
+        self._message = message
         super().__init__(f"envs {self.env_indices}: {message}")
+
+    def __reduce__(self) -> tuple:
+        # The constructor's arguments, not self.args (the formatted text): see EnvError.
+        return type(self), (self.env_indices, self._message), self.__dict__
 
 
 class CrashLoopError(EnvLostError):

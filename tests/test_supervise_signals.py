@@ -1,0 +1,144 @@
+"""A remote host's supervisor stops on SIGTERM and SIGINT (real processes).
+
+Kubernetes and SLURM stop a job with SIGTERM, then SIGKILL after a grace
+period; a terminal's Ctrl-C sends SIGINT. ``python -m workers --num-envs K``
+(:class:`workers.supervise.Supervisor`) must then end its env processes and
+exit at once, not wait in ``os.wait()`` for a child to die. The supervisor
+here connects to a port that nobody listens on: its children wait to
+register for ever, which is all this needs. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS = 2
+#: Importing torch and torchrl on a loaded 2-core machine, then forking ENVS children.
+START_TIMEOUT_S = 120.0
+#: How long the supervisor may take to stop once signalled ("about a second").
+STOP_TIMEOUT_S = 5.0
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, pgid)`` of a process, from ``/proc``; None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _live(predicate) -> list[int]:
+    """Pids of the processes (zombies aside) whose ``(state, ppid, pgid)`` match."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[0] != "Z" and predicate(*stat):
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+def unused_port() -> Iterator[int]:
+    """A port bound (so no one else takes it) but never listened on: connections are refused."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_supervisor_stops_its_children_and_exits_when_signalled(unused_port, signum, tmp_path):
+    argv = [sys.executable, "-m", "workers", "--connect", f"tcp://127.0.0.1:{unused_port}"]
+    argv += ["--env", "zmqpool.testing:CountingEnv", "--num-envs", str(ENVS)]
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    log = tmp_path / "supervisor.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(argv, stderr=err, env=env, cwd=ROOT, start_new_session=True)
+    group = proc.pid  # its own session: the supervisor and its children, nothing else
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        children: list[int] = []
+        while len(children) < ENVS:
+            assert proc.poll() is None, f"the supervisor exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no {ENVS} children in time:\n{log.read_text()}"
+            time.sleep(0.1)
+            children = _live(lambda state, ppid, pgid: ppid == proc.pid)
+        time.sleep(0.5)  # the children are past their own signal setup
+
+        signalled = time.monotonic()
+        os.kill(proc.pid, signum)
+        try:
+            code = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"the supervisor ignored {signum.name}: still alive after {STOP_TIMEOUT_S} s"
+            )
+        took = time.monotonic() - signalled
+        assert code == 0, log.read_text()
+        # Its children ended with it (the supervisor reaps them), and none was restarted.
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while left := _live(lambda state, ppid, pgid: pgid == group):
+            assert time.monotonic() < deadline, f"left in the supervisor's group: {left}"
+            time.sleep(0.05)
+        assert all(_stat(pid) is None or _stat(pid)[0] == "Z" for pid in children)
+        assert took < STOP_TIMEOUT_S
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+RESTARTS = """
+import sys, time
+from pathlib import Path
+from workers.supervise import REFUSED, Supervisor
+
+runs = Path(sys.argv[1])
+
+def child(k, identity):
+    with runs.open("a") as out:
+        out.write(f"{k}\\n")
+    # env 0 is refused at once; env 1 dies twice, then is refused.
+    return REFUSED if k == 0 or runs.read_text().split().count("1") > 2 else 1
+
+started = time.monotonic()
+code = Supervisor(2, child).run()
+print(code, round(time.monotonic() - started, 2))
+"""
+
+
+def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refused_one(tmp_path):
+    """Restarts are scheduled, not slept through: a refused child is not forked again, a dead
+    one is (0.05 s, then 0.1 s later), and the supervisor ends once every child is refused."""
+    runs = tmp_path / "runs"
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", RESTARTS, str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
+    assert out.returncode == 0, out.stderr
+    code, took = out.stdout.split()
+    assert code == "0"
+    assert sorted(runs.read_text().split()) == ["0", "1", "1", "1"]
+    assert 0.15 <= float(took) < 10.0
