@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import cloudpickle
 
@@ -407,20 +407,18 @@ class ForkServer:
     def _fork(self, request: bytes, timeout_s: float) -> ForkedProcess:
         if not self.alive():
             raise ForkServerDied(f"the fork server (pid {self.pid}) is dead")
-        assert self.proc.stdin is not None
+        deadline = time.monotonic() + timeout_s
         try:
-            self.proc.stdin.write(len(request).to_bytes(8, "big") + request)
-            self.proc.stdin.flush()
+            sent = self._send(len(request).to_bytes(8, "big") + request, deadline)
         except OSError as err:  # BrokenPipeError: it died since
             raise ForkServerDied(f"the fork server (pid {self.pid}) is dead: {err}") from err
-        deadline = time.monotonic() + timeout_s
+        if not sent:  # half a request may be in its pipe: it cannot be used again anyway
+            self._unresponsive(f"did not read a fork request within {timeout_s} s")
         while not self._spawned:
             if not self.alive():
                 raise ForkServerDied(f"the fork server (pid {self.pid}) died while forking")
             if time.monotonic() > deadline:
-                self.proc.kill()  # a zygote that does not answer is as good as dead
-                self._read_reports(1.0)  # its end of file: on_death
-                raise ForkServerDied(f"the fork server did not answer within {timeout_s} s")
+                self._unresponsive(f"did not answer within {timeout_s} s")
             self._read_reports(0.1)
         pid = self._spawned.pop(0)
         try:
@@ -428,6 +426,33 @@ class ForkServer:
         except ProcessLookupError as err:
             self.statuses.pop(pid, None)
             raise _Vanished(f"forked worker {pid} died before it could be watched") from err
+
+    def _send(self, data: bytes, deadline: float) -> bool:
+        """Write ``data`` into its stdin by ``deadline``; False if it did not take it in time.
+
+        A request holds the env makers, easily more than the pipe's 64 KiB; a
+        blocking write to a zygote that stopped reading (SIGSTOP, wedged) would
+        block for ever, in the trainer's recv and holding the locks that
+        ``close()`` needs. The pipe is non-blocking: one write when it has room.
+        """
+        assert self.proc.stdin is not None
+        fd = self.proc.stdin.fileno()  # written only here, never through the buffered file
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while True:
+            with contextlib.suppress(BlockingIOError):  # full: nothing written
+                view = view[os.write(fd, view) :]
+            if not view:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            select.select([], [fd], [], remaining)  # room, or its death (then EPIPE)
+
+    def _unresponsive(self, what: str) -> NoReturn:
+        self.proc.kill()  # a zygote that does not answer is as good as dead
+        self._read_reports(1.0)  # its end of file: on_death
+        raise ForkServerDied(f"the fork server (pid {self.pid}) {what}")
 
     def status_of(self, pid: int, wait_s: float) -> int | None:
         """A dead child's exit status, as the zygote reported it (None: no report came)."""

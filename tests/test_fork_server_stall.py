@@ -1,0 +1,137 @@
+"""A stopped fork server and a fork request bigger than its stdin pipe.
+
+A fork request carries the env makers: a maker holding a 256 KiB closure
+makes it bigger than a pipe's 64 KiB buffer, so a zygote that stopped
+reading (SIGSTOP, wedged) must not block the trainer's write for ever. The
+restart then costs at most ``register_timeout_s``, as for a zygote that does
+not report: it is killed, replaced, and the worker forked from the new one.
+
+The trainer runs in a subprocess: a regression hangs it, not the test run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REGISTER_TIMEOUT_S = 8.0
+
+TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from tensordict import TensorDict
+    from zmqpool import PoolConfig, ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+
+    blob = os.urandom(256 * 1024)  # the fork request no longer fits a pipe's buffer
+
+    def make(env_id):
+        def maker():
+            assert len(blob) == 256 * 1024
+            return CountingEnv(env_id=env_id)
+        return maker
+
+    def act(envs):
+        values = torch.full((len(envs), 1), 0.5)
+        pool.async_step_send(TensorDict({"action": values}, [len(envs)]), env_index=envs)
+
+    config = PoolConfig(
+        register_timeout_s=float(sys.argv[2]),
+        close_timeout_s=2.0,
+        restart_backoff_s=0.01,
+        share_fork_server=False,
+    )
+    pool = ZMQAsyncEnvPool([make(0), make(1)], config=config)
+    try:
+        pool.reset()
+        zygote = pool.fork_server_pid
+        os.kill(zygote, signal.SIGSTOP)
+        print("stopped", zygote, flush=True)
+        os.kill(pool.worker_pid(0), signal.SIGKILL)
+        awaited = set()
+        start = time.monotonic()
+        restarted = False
+        while not restarted:  # until env 0 comes back, forked by a new fork server
+            assert time.monotonic() - start < 120, "env 0 never restarted"
+            idle = [e for e in (0, 1) if e not in awaited]
+            if idle:
+                act(idle)
+                awaited.update(idle)
+            begun = time.monotonic()
+            try:
+                out = pool.async_step_recv(min_get=1, timeout=2)
+                awaited -= {int(e) for e in out["env_index"]}
+                restarted = 0 in pool.last_restarted_envs
+            except TimeoutError:
+                pass
+            print("recv", round(time.monotonic() - begun, 1), flush=True)
+        assert pool.fork_server_pid != zygote  # a new one, or fresh interpreters
+        print("restarted", round(time.monotonic() - start, 1), flush=True)
+    finally:
+        start = time.monotonic()
+        pool.close()
+        print("closed", round(time.monotonic() - start, 1), flush=True)
+    """
+)
+
+
+def _line_within(
+    proc: subprocess.Popen, timeout_s: float, what: str | tuple[str, ...], log: Path
+) -> list[str]:
+    """The trainer's next line, split; fails if it takes longer than ``timeout_s``."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""  # it prints whole lines, flushed
+    if not line.strip():
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(
+            f"no {what!r} within {timeout_s} s (exit {proc.returncode}):\n{log.read_text()}"
+        )
+    words = line.split()
+    assert words[0] in ((what,) if isinstance(what, str) else what), line
+    return words
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_fork_server_costs_a_restart_at_most_register_timeout(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    log = tmp_path / "stderr.txt"  # a file: a full stderr pipe would stall the trainer
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(REPO), str(REGISTER_TIMEOUT_S)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    zygote = None
+    try:
+        zygote = int(_line_within(proc, 180.0, "stopped", log)[1])
+        # A restart waits for the stopped zygote up to register_timeout_s, then kills it.
+        while True:
+            words = _line_within(proc, REGISTER_TIMEOUT_S + 10.0, ("recv", "restarted"), log)
+            if words[0] == "restarted":
+                break
+            assert float(words[1]) <= REGISTER_TIMEOUT_S + 5.0
+        assert float(_line_within(proc, 20.0, "closed", log)[1]) <= 10.0
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if zygote is not None:  # never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(zygote, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
