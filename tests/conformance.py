@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
-from torchrl.data import Unbounded
+from torchrl.data import NonTensor, Unbounded
 from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
 
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
@@ -363,3 +363,47 @@ def elapsed(call: Callable[[], Any]) -> tuple[Any, float]:
     start = time.monotonic()
     result = call()
     return result, time.monotonic() - start
+
+
+class OffTheWireEnv(ZMQCountingEnv):
+    """A CountingEnv whose step output cannot cross the wire as the pool takes it.
+
+    ``text_bytes``: a string of that many bytes in ``"text"`` (non-tensor data
+    travels in a message's header, of at most 1 MiB), declared in the
+    observation spec with ``declared`` (then the next root of a
+    ``step_and_maybe_reset`` carries it too, and a reset an empty one);
+    ``tuple_key``: a dict keyed by a tuple in ``"info"`` (msgpack packs it,
+    but it comes back keyed by a list); ``obs_elems``: an observation of that
+    many floats, for a spec of 4 (over the frame size the pool takes from this
+    worker).
+    """
+
+    def __init__(
+        self,
+        env_id: int = 0,
+        text_bytes: int = 0,
+        declared: bool = False,
+        tuple_key: bool = False,
+        obs_elems: int = 0,
+    ) -> None:
+        super().__init__(env_id=env_id)
+        self.text_bytes, self.tuple_key, self.obs_elems = text_bytes, tuple_key, obs_elems
+        self.declared = declared
+        if declared:
+            self.observation_spec["text"] = NonTensor(shape=(), example_data="")
+
+    def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
+        out = super()._reset(tensordict, **kwargs)
+        if self.declared:
+            out["text"] = NonTensorData("")
+        return out
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = super()._step(tensordict)
+        if self.text_bytes:
+            out["text"] = NonTensorData("x" * self.text_bytes)
+        if self.tuple_key:
+            out["info"] = NonTensorData({(1, 2): self.count})
+        if self.obs_elems:
+            out["observation"] = torch.zeros(self.obs_elems)
+        return out

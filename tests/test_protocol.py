@@ -48,12 +48,13 @@ WELCOME = Welcome(
     epoch=b"e" * 8,
     heartbeat_interval_s=0.25,
     heartbeat_liveness=7,
+    max_frame=1 << 20,
 )
 MESSAGES = [
     (Command.REGISTER, REGISTER),
     (Command.REGISTER, Register(1, "", (0,), False, b"i", None, ({},))),
     (Command.WELCOME, WELCOME),
-    (Command.WELCOME, Welcome(b"t", (0,), "ipc:///tmp/r", None, b"e", 1, 1)),
+    (Command.WELCOME, Welcome(b"t", (0,), "ipc:///tmp/r", None, b"e", 1, 1, 64)),
     (Command.REFUSE, Refuse("spec mismatch for env 0: specs/x")),
     (Command.FAILED, Failed("env maker raised", "Traceback ...", FailureKind.MAKER)),
     (Command.FAILED, Failed("too big", "", FailureKind.REGISTER)),
@@ -226,6 +227,12 @@ MALFORMED = {
         Welcome,
         _with(WELCOME, ("reg", "heartbeat_liveness"), 10**7),
         "heartbeat_liveness",
+    ),
+    "welcome max_frame zero": (Welcome, _with(WELCOME, ("reg", "max_frame"), 0), "max_frame"),
+    "welcome max_frame a string": (
+        Welcome,
+        _with(WELCOME, ("reg", "max_frame"), "1024"),
+        "max_frame",
     ),
 }
 

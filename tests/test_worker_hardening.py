@@ -208,6 +208,7 @@ class FakeTrainer:
             "epoch": self.epoch,
             "heartbeat_interval_s": BEAT_S,
             "heartbeat_liveness": 100_000,
+            "max_frame": 1 << 20,
         }
         welcome = Header(Command.WELCOME, body={"reg": reg}).encode()
         self.router.send_multipart([self.identity, welcome])

@@ -79,7 +79,7 @@ from workers.inline import PROBE_WAIT_S, SHORT_WAIT_S, InlineJudge, StepTimes
 from workers.replies import ReplyQueue
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
-from zmqpool.codec import DecodedPart, Decoder, Encoder, frame_buffer, layout_of
+from zmqpool.codec import DecodedPart, Decoder, EncodedPart, Encoder, frame_buffer, layout_of
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -117,6 +117,7 @@ from zmqpool.wire import (
     Header,
     Row,
     batch_messages,
+    check_header_room,
     command_rows,
     holds_replies,
     joined_messages,
@@ -816,21 +817,41 @@ class Worker:
             self._push(reply.message(self.token) if isinstance(reply, Row) else reply)
 
     def _encoded(self, header: Header, out: list[Any]) -> Row | list[Any]:
-        """A result as its row; an output that cannot cross the wire, as the env's error."""
+        """A result as its row; an output that cannot cross the wire, as the env's error.
+
+        Its header is held to what the pool takes (non-tensor data can make it
+        large): a reply the pool dropped as malformed would leave its request
+        unanswered.
+        """
+        parts: list[EncodedPart] = []
         try:
-            parts = [self.encoder.encode(part) for part in out]
+            for part in out:
+                parts.append(self.encoder.encode(part))
+                self._check_frames(parts[-1])
+            check_header_room(parts)
         except Exception as err:
-            return self._error_reply(header, err)
+            self.encoder.retract(parts)  # not sent: their layouts are announced again
+            return self._error_reply(header, err, "its output cannot cross the wire")
         return Row(Command.RESULT, header.env, header.seq, parts)
+
+    def _check_frames(self, part: EncodedPart) -> None:
+        """Refuse an output with a frame larger than the pool takes (a leaf far off its spec)."""
+        welcome = self.welcome
+        largest = part.layout.largest_frame
+        if welcome is not None and largest > welcome.max_frame:
+            raise ProtocolError(
+                f"a frame of {largest} bytes (a leaf larger than its spec allows); the pool "
+                f"takes at most {welcome.max_frame} (twice what the specs declare)"
+            )
 
     def _push(self, reply: list[Any]) -> None:
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
             return
         send_frames(self.push, reply)
 
-    def _error_reply(self, header: Header, err: Exception) -> list[Any]:
+    def _error_reply(self, header: Header, err: Exception, what: str | None = None) -> list[Any]:
         malformed = isinstance(err, ProtocolError)
-        what = "malformed command" if malformed else "env raised"
+        what = what or ("malformed command" if malformed else "env raised")
         text = _safe_repr(err)
         log.warning("env %d: %s: %s", header.env, what, text)
         kind = FailureKind.PROTOCOL if malformed else FailureKind.ENV  # ENV may restart the worker

@@ -363,6 +363,7 @@ class Registrar:
             epoch=self.broker.epoch,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_liveness=self.config.heartbeat_liveness,
+            max_frame=limit,
         )
         header = Header(Command.WELCOME, body=welcome.to_body())
         self.broker.route(link.identity, [header.encode()], link.remote)

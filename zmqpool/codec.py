@@ -52,6 +52,7 @@ from zmqpool.layout import (
 from zmqpool.limits import (
     MAX_FRAME_BYTES,
     MAX_LAYOUT_ID,
+    MAX_NONTENSOR_BYTES,
     MAX_NONTENSOR_ITEMS,
     MAX_PEER_LAYOUT_BYTES,
     is_int,
@@ -152,6 +153,12 @@ class Encoder:
         nontensor = list(part.nontensor) if part.nontensor else None
         announced = None if layout_id in self._announced else self._announce(layout_id, layout)
         return EncodedPart(layout_id, announced, part.buffers, nontensor, layout)
+
+    def retract(self, parts: Sequence[EncodedPart]) -> None:
+        """``parts`` were not sent after all: the layouts they announced are announced again."""
+        for part in parts:
+            if part.new_layout is not None:
+                self._announced.discard(part.layout_id)
 
     def _announce(self, layout_id: int, layout: Layout) -> dict[str, Any] | None:
         """The layout in full the first time its id is used on this connection, else None."""
@@ -329,20 +336,31 @@ def check_crossable(td: TensorDictBase) -> None:
             raise ProtocolError(
                 f"entry {'/'.join(key)} has dtype {tensor.dtype}, which cannot cross the wire"
             )
+    packed = 0
     for key, value in zip(flat.nontensor_keys, flat.nontensor, strict=True):
-        _plain(value, key)
+        packed += len(msgpack.packb(_plain(value, key), use_bin_type=True))
+    if packed > MAX_NONTENSOR_BYTES:
+        raise ProtocolError(
+            f"the non-tensor values of one env's input pack to {packed} bytes; a message "
+            f"carries at most {MAX_NONTENSOR_BYTES} in its header: they cannot cross the wire"
+        )
     for key, cls in flat.classes:
         _class_name_at(key, cls)
 
 
 def _plain(value: Any, path: Key) -> Any:
+    """``value``'s data, if msgpack carries it there and back; else a :class:`ProtocolError`.
+
+    Packing is not enough: ``{(1, 2): 0}`` packs, but its key comes back as a
+    list, which cannot key a dict, and the peer would drop the whole message.
+    """
     data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
     try:
-        msgpack.packb(data, use_bin_type=True)
+        msgpack.unpackb(msgpack.packb(data, use_bin_type=True), raw=False, strict_map_key=False)
     except (TypeError, ValueError, OverflowError):
         raise ProtocolError(
             f"non-tensor value at {'/'.join(path)} of type {type(data).__name__} "
-            "is not plain data (msgpack-able); it cannot cross the wire"
+            "is not plain data (msgpack carries it there and back); it cannot cross the wire"
         ) from None
     return data
 

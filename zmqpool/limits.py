@@ -29,6 +29,10 @@ MAX_HEADER_BYTES = 1 << 20
 #: encryption against that limit too (measured). Over the limit, libzmq drops
 #: the connection without a word to either side, so workers check first.
 MAX_CONTROL_BYTES = MAX_HEADER_BYTES - 64
+#: What one env's non-tensor values (strings, lists...) may pack to in a send:
+#: they travel in the header, with room left for its fields and layouts. (A
+#: worker's reply is held to the header limit itself, layouts and all.)
+MAX_NONTENSOR_BYTES = MAX_HEADER_BYTES - (64 << 10)
 #: The longest session token a header may carry (the pool's are shorter).
 MAX_TOKEN_BYTES = 64
 #: The most tensordict parts one message carries (a reply has one or two).

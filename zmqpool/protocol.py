@@ -267,6 +267,9 @@ class Welcome:
     epoch: bytes
     heartbeat_interval_s: float
     heartbeat_liveness: int
+    #: the largest frame the pool takes from this worker (its results socket's and
+    #: decoder's limit); libzmq drops a larger one with the connection, silently.
+    max_frame: int
 
     _KEYS = (
         "token",
@@ -276,6 +279,7 @@ class Welcome:
         "epoch",
         "heartbeat_interval_s",
         "heartbeat_liveness",
+        "max_frame",
     )
 
     @property
@@ -292,6 +296,7 @@ class Welcome:
             "epoch": self.epoch,
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "heartbeat_liveness": self.heartbeat_liveness,
+            "max_frame": self.max_frame,
         }
         return {"reg": reg}
 
@@ -309,6 +314,7 @@ class Welcome:
             heartbeat_liveness=_int(
                 reg["heartbeat_liveness"], "WELCOME heartbeat_liveness", 1, MAX_LIVENESS + 1
             ),
+            max_frame=_int(reg["max_frame"], "WELCOME max_frame", 1, 1 << 62),
         )
 
 

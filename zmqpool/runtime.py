@@ -52,6 +52,7 @@ from zmqpool.errors import (
     EnvError,
     EnvMakerError,
     PoolClosedError,
+    ProtocolError,
     RegistrationError,
     VersionMismatchError,
 )
@@ -69,7 +70,14 @@ from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
-from zmqpool.wire import Command, Header, Row, batch_messages, message_frames
+from zmqpool.wire import (
+    Command,
+    Header,
+    Row,
+    batch_messages,
+    check_header_room,
+    message_frames,
+)
 
 #: How often construction asks launched workers whether one has given up (each
 #: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
@@ -410,6 +418,10 @@ class Runtime:
         else:
             part = link.encoder.encode(payload)
             parts, largest = [part], part.layout.largest_frame  # its frames are laid out so
+            if (part.nontensor or part.new_layout is not None) and not self._header_fits(
+                env, pending, link, parts
+            ):
+                return
         if largest > link.decoder.max_frame_bytes:
             # Its worker's socket takes frames as large as its specs imply (with headroom),
             # and would drop the connection for this one: answer with an error instead.
@@ -496,6 +508,21 @@ class Runtime:
                 self.supervisor.vacate(record, time.monotonic(), "its key was revoked")
             envs += record.envs
         return envs
+
+    def _header_fits(self, env: int, pending: Pending, link: Link, parts: list[Any]) -> bool:
+        """Whether the header of ``parts`` is one the worker takes; if not, answer with an error.
+
+        The send refused most such inputs already (``check_crossable``); this is
+        the exact check, for what the layouts add. A worker would drop the
+        message as malformed, leaving the request unanswered.
+        """
+        try:
+            check_header_room(parts)
+        except ProtocolError as err:
+            link.encoder.retract(parts)  # not sent: announced again with the next use
+            self.ledger.answer_now(env, pending, EnvError(env, f"the input cannot be sent: {err}"))
+            return False
+        return True
 
     def _refuse_oversized(self, env: int, pending: Pending, size: int, limit: int) -> None:
         error = EnvError(

@@ -222,7 +222,10 @@ if TYPE_CHECKING:
 #: (:data:`Command.COMMANDS`), which a version-4 worker would drop.
 #: 6: a COMMANDS may ask its worker to keep its replies together (body ``"h"``),
 #: which a version-5 worker would drop.
-PROTOCOL_VERSION = 6
+#: 7: WELCOME says the largest frame the pool takes from the worker
+#: (``max_frame``), so that a worker answers an output over it with an error
+#: instead of a reply libzmq would drop, request and all.
+PROTOCOL_VERSION = 7
 
 
 class Command(enum.IntEnum):
@@ -424,9 +427,35 @@ def message_frames(
             body["nt"] = [p.nontensor or [] for p in parts]
     layouts = [p.layout_id for p in parts]
     frames: list[Any] = [_pack_fields(version, command, env, seq, token, layouts, body or None)]
+    if (new_layouts or nontensor) and len(frames[0]) > MAX_HEADER_BYTES:
+        raise _header_too_large(len(frames[0]))
     for part in parts:
         frames.extend(part.frames)
     return frames
+
+
+def check_header_room(parts: Sequence[EncodedPart]) -> None:
+    """Raise :class:`ProtocolError` if a message of ``parts`` would have a header a peer drops.
+
+    Only non-tensor data and announced layouts make a header large; a peer
+    drops a header over :data:`MAX_HEADER_BYTES` as malformed, and the
+    request it answers with it. Packs the header once more, and only then.
+    """
+    if any(p.nontensor or p.new_layout is not None for p in parts):
+        size = len(message_frames(Command.RESULT, 0, 0, bytes(MAX_TOKEN_BYTES), None, parts)[0])
+        if size > MAX_HEADER_BYTES - _HEADER_SLACK:
+            raise _header_too_large(size)
+
+
+#: What a header's fields other than its parts may add: env and seq as larger ints.
+_HEADER_SLACK = 32
+
+
+def _header_too_large(size: int) -> ProtocolError:
+    return ProtocolError(
+        f"the message's header would be {size} bytes (its non-tensor data and layouts), over "
+        f"the {MAX_HEADER_BYTES} a peer takes: it cannot cross the wire"
+    )
 
 
 # ---------------------------------------------------------------- batches
