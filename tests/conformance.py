@@ -18,6 +18,7 @@ multiprocessing workers can import them by name: ``tests.conformance``.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import threading
 import time
@@ -407,3 +408,14 @@ class OffTheWireEnv(ZMQCountingEnv):
         if self.obs_elems:
             out["observation"] = torch.zeros(self.obs_elems)
         return out
+
+
+class RaisingEnv(ZMQCountingEnv):
+    """A CountingEnv whose steps raise the builtin exception named ``error`` (as an env's own)."""
+
+    def __init__(self, env_id: int = 0, error: str = "ValueError") -> None:
+        super().__init__(env_id=env_id)
+        self.error = error
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        raise getattr(builtins, self.error)(f"env {self.env_id} cannot step")

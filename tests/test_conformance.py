@@ -29,6 +29,7 @@ test. Classes run one after another, so at most one group of pools is alive.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 import itertools
@@ -53,6 +54,7 @@ from torchrl.testing.mocking_classes import (
 from tests.conformance import (
     ENV_INDEX,
     ExtraKeyEnv,
+    RaisingEnv,
     assert_same_error,
     assert_same_spec,
     assert_same_td,
@@ -64,7 +66,7 @@ from tests.conformance import (
     expected_env_index,
     raised_by,
 )
-from zmqpool import NothingInFlightError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool import EnvError, NothingInFlightError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
 
 FAST = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
@@ -220,6 +222,29 @@ def test_torchrls_backend_argument_runs_unchanged():
         pool.close()
     with pytest.raises(ValueError, match="backend must be"):
         ZMQAsyncEnvPool(counting_makers(1), backend="processes", config=FAST)
+
+
+@pytest.mark.parametrize("error", ["ValueError", "KeyError", "AttributeError", "IndexError"])
+def test_an_env_s_error_is_of_the_builtin_class_it_raised(error):
+    # torchrl's pool re-raises the env's own exception: `except ValueError` around a
+    # step catches it. Ours is an EnvError (naming the env, with the worker's
+    # traceback) that is also an instance of the builtin the env raised.
+    makers = [functools.partial(RaisingEnv, env_id=i, error=error) for i in range(2)]
+    oracle = AsyncEnvPool(makers, backend="threading")
+    zmq = ZMQAsyncEnvPool(makers, envs_per_worker=2, config=FAST)
+    try:
+        td_o, td_z = oracle.reset(), zmq.reset()
+        err = assert_same_error(
+            lambda: oracle.step(with_ones(oracle, td_o)), lambda: zmq.step(with_ones(zmq, td_z))
+        )
+        assert isinstance(err, EnvError) and err.env_index in (0, 1)
+        assert str(err).startswith(f"env {err.env_index}: env raised: {error}(")
+        zmq.async_step_send(with_ones(zmq, td_z)[[1]], env_index=[1])  # and async, the same
+        with pytest.raises(getattr(builtins, error)):
+            zmq.async_step_recv(min_get=1, timeout=RECV_TIMEOUT)
+    finally:
+        oracle.close()
+        zmq.close()
 
 
 def test_results_carry_the_device_of_the_envs():

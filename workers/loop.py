@@ -85,6 +85,7 @@ from zmqpool.errors import (
     ProtocolError,
     RegistrationError,
     VersionMismatchError,
+    builtin_base,
 )
 from zmqpool.launcher import ENV_THREAD_DIED
 from zmqpool.layout import max_message_bytes
@@ -857,7 +858,7 @@ class Worker:
         kind = FailureKind.PROTOCOL if malformed else FailureKind.ENV  # ENV may restart the worker
         # From the error itself: the reply may be made after its except block has ended.
         trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        body = Failed.clipped(f"{what}: {text}", trace, kind).to_body()
+        body = Failed.clipped(f"{what}: {text}", trace, kind, builtin_base(err)).to_body()
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
     def _heartbeat_loop(self) -> None:

@@ -11,6 +11,8 @@ against torchrl's pool keeps working::
     │   └── VersionMismatchError         a peer speaking another protocol version
     ├── RegistrationError (RuntimeError) a worker refused, or slots left unfilled
     ├── EnvError (RuntimeError)          an env raised in a worker; carries its traceback
+    │   ├── EnvValueError (ValueError), EnvKeyError (KeyError)...
+    │   │                                an env raised that builtin (ENV_ERROR_BASES)
     │   └── EnvMakerError                the env maker itself raised
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
     │   └── CrashLoopError               restarts exceeded the configured limit
@@ -61,11 +63,64 @@ class EnvError(ZMQPoolError, RuntimeError):
             text += f"\n--- worker traceback ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
 
+    #: The text, even in a subclass that is also a ``KeyError`` (whose own quotes it).
+    __str__ = BaseException.__str__
+
     def __reduce__(self) -> tuple:
         # BaseException rebuilds an error as cls(*self.args): here the formatted text alone,
         # which __init__ does not take, so unpickling raised TypeError (a pool in a
         # ProcessPoolExecutor job showed an env's error as BrokenProcessPool).
         return type(self), (self.env_index, self.reason, self.remote_traceback), self.__dict__
+
+
+#: The builtin exceptions an env's error is also an instance of, when the env raised
+#: one of them (or a subclass of one): ``except ValueError`` around a step of
+#: torchrl's pool, which re-raises the env's own exception, keeps working.
+#: Only builtins: nothing from a worker names a class to import.
+ENV_ERROR_BASES: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        LookupError,
+        AttributeError,
+        NotImplementedError,
+        AssertionError,
+        ZeroDivisionError,
+        OverflowError,
+        ArithmeticError,
+    )
+}
+
+
+def _env_error_class(base: type[Exception]) -> type[EnvError]:
+    cls = type(f"Env{base.__name__}", (EnvError, base), {"__module__": __name__})
+    name = base.__name__
+    cls.__doc__ = f"An env raised a ``{name}``: an :class:`EnvError` and a ``{name}``."
+    return cls
+
+
+#: ``EnvValueError``, ``EnvKeyError``...: module attributes, so that they pickle.
+ENV_ERROR_CLASSES: dict[str, type[EnvError]] = {
+    name: _env_error_class(base) for name, base in ENV_ERROR_BASES.items()
+}
+globals().update({cls.__name__: cls for cls in ENV_ERROR_CLASSES.values()})
+
+
+def builtin_base(error: BaseException) -> str | None:
+    """The name of the first of :data:`ENV_ERROR_BASES` that ``error`` is an instance of."""
+    for cls in type(error).__mro__:
+        if cls.__name__ in ENV_ERROR_BASES and ENV_ERROR_BASES[cls.__name__] is cls:
+            return cls.__name__
+    return None
+
+
+def env_error(env_index: int, message: str, remote_traceback: str, base: str | None) -> EnvError:
+    """The :class:`EnvError` for an env that raised; also a ``base`` (a builtin's name) if given."""
+    cls = ENV_ERROR_CLASSES.get(base, EnvError) if base is not None else EnvError
+    return cls(env_index, message, remote_traceback)
 
 
 class EnvMakerError(EnvError):

@@ -19,7 +19,7 @@ import zmq
 from zmqpool.admission import peer_key
 from zmqpool.codec import DecodedPart
 from zmqpool.conformity import ReplyCheck
-from zmqpool.errors import EnvError, ProtocolError
+from zmqpool.errors import EnvError, ProtocolError, env_error
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
 from zmqpool.roster import EnvRecord, Roster
@@ -206,4 +206,4 @@ def _env_error(header: Header) -> tuple[EnvError, FailureKind | None]:
         failed = Failed.from_body(header.body)
     except ProtocolError as err:  # the request was real; answer it with what is wrong
         return EnvError(header.env, f"malformed error reply: {err}"), None
-    return EnvError(header.env, failed.err, failed.tb), failed.kind
+    return env_error(header.env, failed.err, failed.tb, failed.base), failed.kind

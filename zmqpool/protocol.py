@@ -79,7 +79,7 @@ from typing import Any
 
 import zmq
 
-from zmqpool.errors import ProtocolError
+from zmqpool.errors import ENV_ERROR_BASES, ProtocolError
 from zmqpool.limits import MAX_MESSAGE_FRAMES, is_int
 
 #: The most env indices (and specs) one worker registers, and one WELCOME assigns.
@@ -351,26 +351,39 @@ class Failed:
     err: str
     tb: str
     kind: FailureKind
+    #: the builtin exception the error was an instance of (a name of
+    #: :data:`zmqpool.errors.ENV_ERROR_BASES`), if any: the trainer's error is one too.
+    base: str | None = None
 
     @classmethod
-    def clipped(cls, err: str, tb: str, kind: FailureKind) -> Failed:
+    def clipped(cls, err: str, tb: str, kind: FailureKind, base: str | None = None) -> Failed:
         """One whose text and traceback are cut (head and tail kept) to fit any pool."""
-        return cls(clip_middle(err, MAX_ERROR_CHARS), clip_middle(tb, MAX_TRACEBACK_CHARS), kind)
+        return cls(
+            clip_middle(err, MAX_ERROR_CHARS), clip_middle(tb, MAX_TRACEBACK_CHARS), kind, base
+        )
 
     def to_body(self) -> dict[str, Any]:
-        return {"err": self.err, "tb": self.tb, "kind": self.kind.value}
+        body = {"err": self.err, "tb": self.tb, "kind": self.kind.value}
+        if self.base is not None:
+            body["base"] = self.base
+        return body
 
     @classmethod
     def from_body(cls, body: Any) -> Failed:
-        fields = _fields(body, "FAILED/ERROR body", ("err", "tb", "kind"))
+        keys = ("err", "tb", "kind", "base") if isinstance(body, dict) and "base" in body else ()
+        fields = _fields(body, "FAILED/ERROR body", keys or ("err", "tb", "kind"))
         kind = fields["kind"]
         known = _WIRE_KINDS.get(kind) if isinstance(kind, str) else None
         if known is None:
             raise ProtocolError(f"FAILED/ERROR kind must be one of {sorted(_WIRE_KINDS)}")
+        base = fields.get("base")
+        if base is not None and base not in ENV_ERROR_BASES:
+            raise ProtocolError(f"FAILED/ERROR base must be one of {sorted(ENV_ERROR_BASES)}")
         return cls(
             _str(fields["err"], "FAILED/ERROR err", MAX_ERROR_CHARS),
             _str(fields["tb"], "FAILED/ERROR tb", MAX_TRACEBACK_CHARS),
             known,
+            base,
         )
 
 

@@ -224,7 +224,8 @@ if TYPE_CHECKING:
 #: which a version-5 worker would drop.
 #: 7: WELCOME says the largest frame the pool takes from the worker
 #: (``max_frame``), so that a worker answers an output over it with an error
-#: instead of a reply libzmq would drop, request and all.
+#: instead of a reply libzmq would drop, request and all; an ERROR may name the
+#: builtin exception the env raised (``base``), which a version-6 pool refuses.
 PROTOCOL_VERSION = 7
 
 
