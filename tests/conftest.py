@@ -81,10 +81,11 @@ def start_remote_worker(
     kwargs: object = None,
     num_envs: int = 1,
     extra: tuple[str, ...] = (),
+    env: str = "zmqpool.testing:CountingEnv",
 ) -> subprocess.Popen:
     """``python -m workers`` inside the remote host, connecting to the pool's TCP port."""
     argv = [sys.executable, "-m", "workers", "--connect", f"tcp://{host.pool_ip}:{port}"]
-    argv += ["--env", "zmqpool.testing:CountingEnv", "--num-envs", str(num_envs)]
+    argv += ["--env", env, "--num-envs", str(num_envs)]
     argv += ["--kwargs", json.dumps(kwargs if kwargs is not None else {})]
     argv += ["--server-key", str(keys / "server.key")]
     argv += ["--client-key", str(keys / "workers" / f"worker-{key}.key_secret"), *extra]

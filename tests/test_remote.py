@@ -6,6 +6,7 @@ test_stress.py (the ``pool`` fixture's ``mixed`` parameter).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -198,6 +199,35 @@ def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_hos
         for process in (first, replacement):
             if process is not None:
                 stop(process)
+
+
+def test_a_remote_env_that_hung_once_takes_its_slot_back_when_it_wakes(remote_host, key_dir):
+    # step_timeout_s sets the worker aside (its token void) and the pool asks it to
+    # register again (REJOIN): once its step ends it does, and takes its slot back.
+    # It used to beat on, unheard, until rejoin_timeout_s declared its env lost.
+    port = free_port_base(remote_host.pool_ip)
+    hangs = {"fault": "hang", "fault_at": 2, "hang_s": 3.0, "every_episode": False}
+    worker = start_remote_worker(
+        remote_host,
+        port,
+        key_dir,
+        env="zmqpool.testing:FaultyEnv",
+        kwargs=hangs,
+        extra=FAST_BEATS,
+    )
+    config = dataclasses.replace(BEATS, step_timeout_s=1.0)
+    pool = remote_pool(remote_host, port, key_dir, config=config)
+    try:
+        pool.reset()
+        for expect_truncation in (False, True, False):  # step 2 hangs 3 s
+            step(pool, [0])
+            out = pool.async_step_recv(min_get=1, timeout=60)
+            assert out["next", "truncated"].item() == expect_truncation
+            assert pool.last_restarted_envs == ([0] if expect_truncation else [])
+        assert "hung" in pool.env_stats()[0]["last_restart_cause"]
+    finally:
+        pool.close()
+        stop(worker)
 
 
 def test_envs_are_reported_lost_when_nobody_rejoins_in_time(remote_host, key_dir):

@@ -532,6 +532,10 @@ class Worker:
         if kind == Command.BATCH:
             self.dropped += 1
             log.warning("dropped a batch inside a batch")
+        elif kind == Command.REJOIN:  # set aside (its token void): register again
+            if self.remote_slots:
+                log.warning("the pool set this worker aside; registering again")
+                self.pool_lost.set()
         elif kind not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
             self._execute(command, inline)
         return True

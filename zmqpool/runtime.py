@@ -187,7 +187,13 @@ class Runtime:
         self.launcher = Launcher(config.fork_server, config.register_timeout_s, servers)
         resources.launcher = self.launcher
         self.supervisor = Supervisor(
-            self.roster, self.ledger, config, self.liveness, self.spawn, self.dispatch
+            self.roster,
+            self.ledger,
+            config,
+            self.liveness,
+            self.spawn,
+            self.dispatch,
+            self._ask_rejoin,
         )
         if plan.restart_on_env_error:
             self.intake.on_env_error = self.supervisor.on_env_error
@@ -508,6 +514,11 @@ class Runtime:
                 self.supervisor.vacate(record, time.monotonic(), "its key was revoked")
             envs += record.envs
         return envs
+
+    def _ask_rejoin(self, record: WorkerRecord) -> None:
+        """Tell a remote worker the pool set aside to register again (its slots wait for it)."""
+        if record.remote:
+            self.broker.route(record.identity, [Header(Command.REJOIN).encode()], True)
 
     def _header_fits(self, env: int, pending: Pending, link: Link, parts: list[Any]) -> bool:
         """Whether the header of ``parts`` is one the worker takes; if not, answer with an error.

@@ -65,6 +65,7 @@ class Supervisor:
         liveness: Liveness,
         spawn: Callable[[WorkerRecord], None],
         dispatch: Dispatch,
+        ask_rejoin: Callable[[WorkerRecord], None] = lambda record: None,
     ) -> None:
         self.roster = roster
         self.ledger = ledger
@@ -72,6 +73,7 @@ class Supervisor:
         self.liveness = liveness
         self.spawn = spawn
         self.dispatch = dispatch
+        self.ask_rejoin = ask_rejoin
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
@@ -165,9 +167,14 @@ class Supervisor:
         self._expire_vacancies(now)
 
     def vacate(self, record: WorkerRecord, now: float, cause: str) -> None:
-        """A remote worker went silent: keep its requests, wait for it to rejoin."""
+        """A remote worker went silent or hung: keep its requests, wait for it to rejoin.
+
+        It is asked to (REJOIN): one that was only slow or stopped for a while
+        would otherwise beat on, unheard (its token void), until its envs are lost.
+        """
         self.liveness.forget(record.identity)
         self.roster.vacate(record, now, cause)
+        self.ask_rejoin(record)
         log.warning(
             "remote worker %r of envs %s: %s; waiting %s s for a rejoin",
             record.identity,

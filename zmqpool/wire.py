@@ -225,7 +225,8 @@ if TYPE_CHECKING:
 #: 7: WELCOME says the largest frame the pool takes from the worker
 #: (``max_frame``), so that a worker answers an output over it with an error
 #: instead of a reply libzmq would drop, request and all; an ERROR may name the
-#: builtin exception the env raised (``base``), which a version-6 pool refuses.
+#: builtin exception the env raised (``base``), which a version-6 pool refuses;
+#: REJOIN asks a remote worker the pool set aside (a hang) to register again.
 PROTOCOL_VERSION = 7
 
 
@@ -244,6 +245,7 @@ class Command(enum.IntEnum):
     REFUSE = 9  # registration refused: body["err"]
     PING = 10  # the pool's heartbeat
     COMMANDS = 11  # several envs' commands, rows joined: body["c"], "envs", "seqs" (and "h")
+    REJOIN = 12  # a remote worker the pool set aside (a hang): register again
     # worker -> pool, on the broker's ROUTER
     REGISTER = 20  # body["reg"]: env indices, specs, pid
     FAILED = 21  # building an env failed: body["err"], body["tb"]
