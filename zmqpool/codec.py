@@ -338,7 +338,7 @@ def check_crossable(td: TensorDictBase) -> None:
             )
     packed = 0
     for key, value in zip(flat.nontensor_keys, flat.nontensor, strict=True):
-        packed += len(msgpack.packb(_plain(value, key), use_bin_type=True))
+        packed += _plain_and_size(value, key)[1]
     if packed > MAX_NONTENSOR_BYTES:
         raise ProtocolError(
             f"the non-tensor values of one env's input pack to {packed} bytes; a message "
@@ -349,20 +349,26 @@ def check_crossable(td: TensorDictBase) -> None:
 
 
 def _plain(value: Any, path: Key) -> Any:
-    """``value``'s data, if msgpack carries it there and back; else a :class:`ProtocolError`.
+    """``value``'s data, if msgpack carries it there and back; else a :class:`ProtocolError`."""
+    return _plain_and_size(value, path)[0]
+
+
+def _plain_and_size(value: Any, path: Key) -> tuple[Any, int]:
+    """:func:`_plain`, and the size it packs to.
 
     Packing is not enough: ``{(1, 2): 0}`` packs, but its key comes back as a
     list, which cannot key a dict, and the peer would drop the whole message.
     """
     data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
     try:
-        msgpack.unpackb(msgpack.packb(data, use_bin_type=True), raw=False, strict_map_key=False)
+        packed = msgpack.packb(data, use_bin_type=True)
+        msgpack.unpackb(packed, raw=False, strict_map_key=False)
     except (TypeError, ValueError, OverflowError):
         raise ProtocolError(
             f"non-tensor value at {'/'.join(path)} of type {type(data).__name__} "
             "is not plain data (msgpack carries it there and back); it cannot cross the wire"
         ) from None
-    return data
+    return data, len(packed)
 
 
 def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:

@@ -11,11 +11,12 @@ event loop are the :class:`~zmqpool.runtime.Runtime`'s.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
@@ -326,22 +327,26 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_exclusive
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
-        try:
+        """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
+        with self._settled_on_error(Kind.RESET):
             return super()._reset(tensordict, **kwargs)
-        except (EnvError, EnvLostError):
-            self._settle(Kind.RESET)
-            raise
 
     def _recv_every_env(self, kind: Kind, count: int) -> list[Reply]:
-        """A sync call's recv of the ``count`` envs it sent to.
+        """A sync call's recv of the ``count`` envs it sent to (see :meth:`_settled_on_error`)."""
+        with self._settled_on_error(kind):
+            return self._recv(kind, count, None, None, None)
 
-        An env's error is raised once the other envs have answered too (their
-        results dropped), so that the next call finds the pool idle, as
-        ``SerialEnv``'s does: raised at once, it left the others in flight,
-        and every sync call after it refused ("Some envs are still processing").
+    @contextlib.contextmanager
+    def _settled_on_error(self, kind: Kind) -> Iterator[None]:
+        """A sync call: an env's error is raised once the other envs have answered too.
+
+        Their results are dropped, so that the next call finds the pool idle,
+        as ``SerialEnv``'s does: raised at once, the error left the others in
+        flight, and every sync call after it refused ("Some envs are still
+        processing").
         """
         try:
-            return self._recv(kind, count, None, None, None)
+            yield
         except (EnvError, EnvLostError):
             self._settle(kind)
             raise
@@ -403,11 +408,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
-        try:
+        with self._settled_on_error(Kind.RESET):
             return super().reset(tensordict, **kwargs)
-        except (EnvError, EnvLostError):  # as _recv_every_env: the pool left idle
-            self._settle(Kind.RESET)
-            raise
 
     def _check_idle(self, kind: Kind) -> None:
         self._check_open()
