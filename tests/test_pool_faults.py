@@ -93,7 +93,7 @@ def test_sync_calls_after_an_env_error_find_the_pool_idle(odd_pool):
     td["action"] = torch.full((3, 1), 0.5)
     with pytest.raises(EnvError) as info:
         odd_pool.step(td)  # env 0 raises at its step 2
-    assert info.value.env_index == RAISING
+    assert info.value.env_index == RAISING and isinstance(info.value, ValueError)  # as SerialEnv
     td = odd_pool.reset()
     td["action"] = torch.full((3, 1), 0.5)
     assert odd_pool.step(td)["next", "observation"][:, 1].tolist() == [1.0, 1.0, 1.0]

@@ -112,15 +112,14 @@ globals().update({cls.__name__: cls for cls in ENV_ERROR_CLASSES.values()})
 def builtin_base(error: BaseException) -> str | None:
     """The name of the first of :data:`ENV_ERROR_BASES` that ``error`` is an instance of."""
     for cls in type(error).__mro__:
-        if cls.__name__ in ENV_ERROR_BASES and ENV_ERROR_BASES[cls.__name__] is cls:
+        if ENV_ERROR_BASES.get(cls.__name__) is cls:
             return cls.__name__
     return None
 
 
 def env_error(env_index: int, message: str, remote_traceback: str, base: str | None) -> EnvError:
     """The :class:`EnvError` for an env that raised; also a ``base`` (a builtin's name) if given."""
-    cls = ENV_ERROR_CLASSES.get(base, EnvError) if base is not None else EnvError
-    return cls(env_index, message, remote_traceback)
+    return ENV_ERROR_CLASSES.get(base or "", EnvError)(env_index, message, remote_traceback)
 
 
 class EnvMakerError(EnvError):
@@ -160,4 +159,4 @@ class NothingInFlightError(ZMQPoolError, RuntimeError, KeyError):
     against it; its text is the message, not ``KeyError``'s quoted repr.
     """
 
-    __str__ = Exception.__str__
+    __str__ = BaseException.__str__
