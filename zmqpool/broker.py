@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from zmqpool import interrupts
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import Endpoints
 from zmqpool.layout import max_message_bytes
@@ -205,7 +206,11 @@ class Broker:
 
         Returns whether every socket was read to the end.
         """
-        events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        held = interrupts.unheld()  # a wait: a Ctrl-C goes through, nothing half read
+        try:
+            events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        finally:
+            interrupts.reheld(held)
         drained = True
         for side in (self.local, self.remote):
             if side is None:

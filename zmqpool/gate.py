@@ -28,6 +28,8 @@ import threading
 import time
 from types import TracebackType
 
+from zmqpool import interrupts
+
 #: Longest single wait on the sockets once several threads use a pool: how long a
 #: thread that wants to send may wait behind another's recv.
 SHARED_SLICE_S = 0.001
@@ -56,6 +58,7 @@ class Gate:
         if not self._lock.acquire(blocking=False):
             self._wait_for_turn()
         self._depth += 1
+        interrupts.hold()
         return self
 
     def __exit__(
@@ -66,6 +69,7 @@ class Gate:
     ) -> None:
         self._depth -= 1
         self._lock.release()
+        interrupts.release()  # an interrupt held back meanwhile is raised now, the gate let go
 
     def _wait_for_turn(self) -> None:
         # Set before blocking: the holder may be waiting on its sockets, and from now on
@@ -92,6 +96,7 @@ class Gate:
         """
         if not self._waiting:
             return
+        held = interrupts.unheld()  # a wait: a Ctrl-C goes through
         depth, handoffs = self._depth, self._handoffs
         self._depth = 0
         for _ in range(depth):
@@ -102,6 +107,7 @@ class Gate:
                 time.sleep(_HANDOFF_POLL_S)
         finally:
             self._take_back(depth)
+            interrupts.reheld(held)
 
     def _take_back(self, depth: int) -> None:
         """Hold the gate again at ``depth``, even through an interrupt (raised after).

@@ -12,6 +12,7 @@ event loop are the :class:`~zmqpool.runtime.Runtime`'s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -499,17 +500,45 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """Step results and the next roots; the arguments are those of :meth:`async_step_recv`."""
         return self._results(Kind.STEP_RESET, min_get, env_index, max_get, timeout)
 
-    @_exclusive
     def _results(
         self, kind: Kind, min_get, env_index, max_get, timeout
     ) -> tuple[TensorDictBase, TensorDictBase | None]:
-        replies = self._recv(kind, min_get, env_index, max_get, timeout)
-        ready_at = [(r.env, r.ready_at) for r in replies]
+        """A recv's results, holding the gate; a Ctrl-C in it gives back what it took.
+
+        The interrupt is held back until the gate is let go (:mod:`zmqpool.interrupts`),
+        which is after the results are built: then they are not returned, and the
+        replies they were built from wait for the next recv, their envs in flight.
+        """
+        taking = _Taking()
+        try:
+            with self._runtime.gate:
+                return self._take_results(kind, min_get, env_index, max_get, timeout, taking)
+        except BaseException as err:
+            if taking.replies and (taking.built or not isinstance(err, Exception)):
+                with self._runtime.gate:  # an env's error or a bad stack: not given back
+                    self._give_back(taking.replies)
+            raise
+
+    def _take_results(
+        self, kind: Kind, min_get, env_index, max_get, timeout, taking: _Taking
+    ) -> tuple[TensorDictBase, TensorDictBase | None]:
+        taking.replies = replies = self._recv(kind, min_get, env_index, max_get, timeout)
         per_env = env_index is not None
-        self._batch_stats.record_batch(ready_at, 1 if per_env else max_get, kind != Kind.RESET)
         if per_env:  # torchrl's per-env channel: the env's own tensordict
-            return self._assembler.assemble_one(replies[0])
-        return self._assembler.assemble(replies)
+            results = self._assembler.assemble_one(replies[0])
+        else:
+            results = self._assembler.assemble(replies)
+        taking.built = True
+        ready_at = [(r.env, r.ready_at) for r in replies]
+        self._batch_stats.record_batch(ready_at, 1 if per_env else max_get, kind != Kind.RESET)
+        return results
+
+    def _give_back(self, replies: list[Reply]) -> None:
+        """Undo a recv's take: its replies wait for the next recv, their envs awaited again."""
+        channel = replies[0].pending.channel
+        self._runtime.give_back(channel, replies)
+        if channel[1] is None:
+            self._busy.update(r.env for r in replies)
 
     def _recv(  # every caller (step, step_and_maybe_reset, _results) holds the gate
         self,
@@ -696,3 +725,11 @@ def _envs_device(child_specs: Sequence[Any]) -> torch.device | None:
     except (KeyError, AttributeError):  # specs without an output_spec: nothing to follow
         return None
     return devices.pop() if len(devices) == 1 else None
+
+
+@dataclasses.dataclass(slots=True)
+class _Taking:
+    """What a recv has taken so far: its replies, and whether its results were built."""
+
+    replies: list[Reply] = dataclasses.field(default_factory=list)
+    built: bool = False

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import zmq
 
-from zmqpool import forkservers
+from zmqpool import forkservers, interrupts
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
 from zmqpool.codec import DecodedPart, layout_of
@@ -99,26 +99,30 @@ class Resources:
         self.launcher: Launcher | None = None
         self.launchers: list[RemoteLauncher] = []  # remote launchers started (RayWorkers)
         self.closed = False
+        interrupts.attach()  # a Ctrl-C in a pool call waits for a safe point
 
     def release(self, grace_s: float | None = None) -> None:
         """Close workers (waiting ``grace_s``, default the config's close timeout), then kill."""
         if self.closed:
             return
         self.closed = True
-        processes = self.roster.processes() if self.roster is not None else []
-        if self.broker is not None and self.roster is not None:
-            close = Header(Command.CLOSE).encode()
-            for link in self.roster.linked():
-                self.broker.route(link.identity, [close], link.remote)
-        grace_s = self.config.close_timeout_s if grace_s is None else grace_s
-        stop_all(processes, grace_s)
-        for launcher in self.launchers:
-            launcher.stop()
-        if self.launcher is not None:
-            self.launcher.close()
-        if self.broker is not None:
-            self.broker.close()
-        remove_private_dir(self.directory)
+        try:
+            processes = self.roster.processes() if self.roster is not None else []
+            if self.broker is not None and self.roster is not None:
+                close = Header(Command.CLOSE).encode()
+                for link in self.roster.linked():
+                    self.broker.route(link.identity, [close], link.remote)
+            grace_s = self.config.close_timeout_s if grace_s is None else grace_s
+            stop_all(processes, grace_s)
+            for launcher in self.launchers:
+                launcher.stop()
+            if self.launcher is not None:
+                self.launcher.close()
+            if self.broker is not None:
+                self.broker.close()
+            remove_private_dir(self.directory)
+        finally:
+            interrupts.detach()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,6 +555,10 @@ class Runtime:
             lost = self.roster.envs[env].lost
             if lost is not None:
                 raise lost
+
+    def give_back(self, channel: Channel, replies: list[Reply]) -> None:
+        """Replies that :meth:`collect` returned and the recv could not: for the next recv."""
+        self.ledger.give_back(channel, replies)
 
     def awaiting(self, channel: Channel) -> int:
         """Requests on ``channel`` that no recv has taken yet (in flight or ready)."""

@@ -218,6 +218,13 @@ class Ledger:
         self._awaiting[channel] -= len(taken)
         return taken
 
+    def give_back(self, channel: Channel, replies: list[Reply]) -> None:
+        """Replies a recv took but did not return (interrupted): ready again, first in line."""
+        ready = sorted(replies, key=_ARRIVAL)
+        ready.extend(self.ready.get(channel, ()))
+        self.ready[channel] = ready
+        self._awaiting[channel] = self._awaiting.get(channel, 0) + len(replies)
+
     def count_ready(self, channel: Channel) -> int:
         return len(self.ready.get(channel, ()))
 
@@ -235,3 +242,7 @@ class Ledger:
     def awaiting(self, channel: Channel) -> int:
         """Requests opened on ``channel`` that no recv has taken yet (in flight or ready)."""
         return self._awaiting.get(channel, 0)
+
+
+def _ARRIVAL(reply: Reply) -> float:
+    return reply.ready_at

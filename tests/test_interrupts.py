@@ -1,0 +1,180 @@
+"""A Ctrl-C at any line of a pool call loses no request and answers none twice.
+
+A real SIGINT is raised (``signal.raise_signal``) at the k-th line the pool's
+own code runs during a send and the recv after it, for k over every line such
+a pair runs: between two frames of a message, between a reply's match and its
+delivery, between a request's bookkeeping and its send. The pool holds the
+interrupt back to a safe point, then raises it: a send it interrupts has been
+made, and a recv it interrupts puts back what it took. Every request is then
+answered exactly once, with the env's own count of its steps.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import zmqpool
+from tests.conftest import FAST, counting_kwargs
+from zmqpool import ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv
+
+NUM_ENVS = 2
+_POOL_CODE = str(Path(zmqpool.__file__).parent)
+#: Lines a send and recv of one env run here, about (measured: ~300): k sweeps past it.
+_SWEEP = range(1, 700, 3)
+
+
+class LineInterrupter:
+    """While active, a real SIGINT at the ``at``-th line run in the pool's own modules."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.lines = 0
+
+    def __enter__(self) -> LineInterrupter:
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename.startswith(_POOL_CODE) else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.at:
+                signal.raise_signal(signal.SIGINT)  # the handler runs here, at this line
+        return self._line
+
+
+class Books:
+    """What each env was sent and answered: exactly once, in its own step order."""
+
+    def __init__(self) -> None:
+        self.awaited: dict[int, float] = {}
+        self.steps = [0] * NUM_ENVS
+        self.sent = 0
+
+    def actions(self, envs: list[int]) -> TensorDict:
+        values = [(self.sent + k + 1) / 1000 for k in range(len(envs))]
+        return TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(envs)])
+
+    def sent_to(self, envs: list[int], actions: TensorDict) -> None:
+        self.awaited.update(zip(envs, actions["action"][:, 0].tolist(), strict=True))
+        self.sent += len(envs)
+
+    def answered(self, result: TensorDict) -> None:
+        for row, env in enumerate(list(result["env_index"])):
+            assert env in self.awaited, f"env {env} answered twice or unasked"
+            action = self.awaited.pop(env)
+            self.steps[env] += 1
+            env_id, count, last_action = result["next", "observation"][row, :3].tolist()
+            assert (env_id, count) == (env, self.steps[env])
+            assert last_action == pytest.approx(action)
+
+
+@pytest.fixture(scope="module")
+def interrupted_pool():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.fail("a SIGINT is handled in the main thread only: run this test in it")
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=counting_kwargs(NUM_ENVS), config=FAST)
+    try:
+        pool.reset()
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_ctrl_c_at_any_line_of_a_send_or_recv_loses_nothing(interrupted_pool):
+    pool, books = interrupted_pool, Books()
+    interrupts = {"send": 0, "recv": 0}
+    rounds_reached = 0
+    for at in _SWEEP:
+        idle = [env for env in range(NUM_ENVS) if env not in books.awaited]
+        with LineInterrupter(at) as tracer:
+            if idle:
+                actions = books.actions(idle)
+                try:
+                    pool.async_step_send(actions, env_index=idle)
+                except KeyboardInterrupt:
+                    interrupts["send"] += 1
+                    resend_unless_made(pool, actions, idle)
+                books.sent_to(idle, actions)
+            try:
+                books.answered(pool.async_step_recv(min_get=1, timeout=10))
+            except KeyboardInterrupt:
+                interrupts["recv"] += 1
+        rounds_reached += tracer.lines >= at
+    while books.awaited:  # every request still in flight is answered, once
+        books.answered(pool.async_step_recv(min_get=1, timeout=10))
+    assert sum(books.steps) == books.sent
+    assert interrupts["send"] > 20 and interrupts["recv"] > 20, interrupts
+    assert rounds_reached == sum(interrupts.values())  # each SIGINT raised, none swallowed
+
+
+def resend_unless_made(pool: ZMQAsyncEnvPool, actions: TensorDict, envs: list[int]) -> None:
+    """An interrupted send was made in full or not at all: its envs busy, or all idle."""
+    try:
+        pool.async_step_send(actions, env_index=envs)  # not made: made now
+    except RuntimeError as err:
+        assert "still processing" in str(err), err  # made: every env of it is busy
+
+
+def test_the_callers_own_handler_is_wrapped_and_called(interrupted_pool):
+    """The pool wraps whatever handler is current when a call starts, and calls it once."""
+    calls: list[int] = []
+
+    def mine(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        action = TensorDict({"action": torch.zeros(1, 1)}, [1])
+        interrupted_pool.async_step_send(action, env_index=[0])
+        with LineInterrupter(5):
+            result = interrupted_pool.async_step_recv(min_get=1, timeout=10)
+        assert calls == [signal.SIGINT]  # once, when the recv was done
+        assert list(result["env_index"]) == [0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_outside_a_pool_call_a_ctrl_c_is_raised_at_once(interrupted_pool):
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+_HANDLER_ROUND_TRIP = """
+import signal
+import subprocess
+from zmqpool import ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv
+
+pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}])
+try:
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+finally:
+    pool.close()
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+print("put back")
+"""
+
+
+def test_the_handler_is_put_back_when_the_last_pool_closes():
+    done = subprocess.run(
+        [sys.executable, "-c", _HANDLER_ROUND_TRIP], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "put back"
