@@ -156,6 +156,26 @@ def test_outside_a_pool_call_a_ctrl_c_is_raised_at_once(interrupted_pool):
         signal.raise_signal(signal.SIGINT)
 
 
+def test_a_sync_call_interrupted_anywhere_leaves_the_next_one_working(interrupted_pool):
+    """As with ``SerialEnv``: after a Ctrl-C in ``step`` or ``reset``, the next call runs.
+
+    What the interrupted call left in flight is dropped by the next sync call
+    (before, it raised "Some envs are still processing" for good).
+    """
+    pool, actions = interrupted_pool, TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS])
+    interrupted = {"step": 0, "reset": 0}
+    for at in range(1, 400, 9):
+        for name, call in (("step", lambda: pool.step(actions.clone())), ("reset", pool.reset)):
+            with LineInterrupter(at):
+                try:
+                    call()
+                except KeyboardInterrupt:
+                    interrupted[name] += 1
+            result = call()
+            assert list(result["env_index"]) == list(range(NUM_ENVS))
+    assert interrupted["step"] > 10 and interrupted["reset"] > 10, interrupted
+
+
 _HANDLER_ROUND_TRIP = """
 import signal
 import subprocess

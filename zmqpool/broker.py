@@ -206,11 +206,12 @@ class Broker:
 
         Returns whether every socket was read to the end.
         """
-        held = interrupts.unheld()  # a wait: a Ctrl-C goes through, nothing half read
+        waits = interrupts.wait_begins()  # a Ctrl-C may end this wait: nothing is half read
         try:
             events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
         finally:
-            interrupts.reheld(held)
+            if waits:
+                interrupts.STATE.waiting = False
         drained = True
         for side in (self.local, self.remote):
             if side is None:

@@ -55,10 +55,17 @@ class Gate:
         return SHARED_SLICE_S if self.shared else None
 
     def __enter__(self) -> Gate:
-        if not self._lock.acquire(blocking=False):
-            self._wait_for_turn()
+        # Interrupts are held first: from then on none lands between taking the lock
+        # and counting it, where the lock would be left held.
+        holds = interrupts.hold()
+        try:
+            if not self._lock.acquire(blocking=False):
+                self._wait_for_turn()
+        except BaseException:
+            if holds:
+                interrupts.unhold()
+            raise
         self._depth += 1
-        interrupts.hold()
         return self
 
     def __exit__(
@@ -77,12 +84,18 @@ class Gate:
         self.shared = True
         with self._count_lock:
             self._waiting += 1
+        waits = interrupts.wait_begins()  # a Ctrl-C may end this wait
         try:
             self._lock.acquire()
         except BaseException:  # an interrupt while waiting: no longer a waiter
+            if self._lock._is_owned():  # type: ignore[attr-defined]  # taken just before it
+                self._lock.release()
             with self._count_lock:
                 self._waiting -= 1
             raise
+        finally:
+            if waits:
+                interrupts.STATE.waiting = False
         with self._count_lock:
             self._waiting -= 1
             self._handoffs += 1
@@ -96,7 +109,7 @@ class Gate:
         """
         if not self._waiting:
             return
-        held = interrupts.unheld()  # a wait: a Ctrl-C goes through
+        waits = interrupts.wait_begins()  # a Ctrl-C may end this wait
         depth, handoffs = self._depth, self._handoffs
         self._depth = 0
         for _ in range(depth):
@@ -106,8 +119,11 @@ class Gate:
             while self._handoffs == handoffs and self._waiting:
                 time.sleep(_HANDOFF_POLL_S)
         finally:
-            self._take_back(depth)
-            interrupts.reheld(held)
+            try:
+                self._take_back(depth)
+            finally:
+                if waits:
+                    interrupts.STATE.waiting = False
 
     def _take_back(self, depth: int) -> None:
         """Hold the gate again at ``depth``, even through an interrupt (raised after).

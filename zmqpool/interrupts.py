@@ -8,8 +8,8 @@ holds a pool's gate, the pool's SIGINT handler (installed over whatever handler
 was there, which it calls) holds the interrupt back, and raises it where
 nothing is half done:
 
-- before the call waits on its sockets or on another thread (:func:`unheld`),
-  or while it waits;
+- before the call waits on its sockets or on another thread
+  (:func:`wait_begins`), or while it waits;
 - when the call ends; a recv then puts back the replies it took, for the next
   recv (:meth:`~zmqpool.pool.ZMQAsyncEnvPool._results`).
 
@@ -39,48 +39,71 @@ _get_ident = threading.get_ident
 Handler = Callable[[int, FrameType | None], Any]
 
 
-class _State:
-    """The main thread's holding depth, the interrupt held back, and how many pools are open."""
+class InterruptState:
+    """The main thread's place in pool calls, which the SIGINT handler reads.
 
+    Set with plain attribute stores where it matters: a Python call is a point
+    where a pending signal's handler may run, a store is not.
+    """
+
+    #: Pool calls the main thread is in (gates it holds, nested or not).
     depth = 0
+    #: The main thread waits inside a pool call: an interrupt goes through at once.
+    waiting = False
+    #: The interrupt held back: the handler to call, and its arguments.
     held: tuple[Handler, int, FrameType | None] | None = None
+    #: Pools open in this process: the handler is put back when none is left.
     pools = 0
 
 
-_state = _State()
+STATE = InterruptState()
 
 
 def attach() -> None:
     """A pool starts: install the handler (now, or at its first call in the main thread)."""
-    _state.pools += 1
+    STATE.pools += 1
     _install()
 
 
 def detach() -> None:
     """A pool closes: with none left open, put back the handler it wrapped (if still its own)."""
-    _state.pools = max(0, _state.pools - 1)
-    if _state.pools or threading.get_ident() != _MAIN:
+    STATE.pools = max(0, STATE.pools - 1)
+    if STATE.pools or _get_ident() != _MAIN:
         return
     current: Any = _raw_handler(_SIGINT)
     if _is_ours(current):
         signal.signal(signal.SIGINT, current._previous)
 
 
-def hold() -> None:
-    """The calling thread takes a pool's gate: in the main thread, hold interrupts back."""
+def hold() -> bool:
+    """A pool call starts (before it takes its gate): in the main thread, hold interrupts back.
+
+    Returns whether it holds (the main thread), for :func:`unhold`. The count is
+    raised last: an interrupt before it is raised at once, with nothing taken.
+    """
     if _get_ident() != _MAIN:
-        return
-    state = _state
+        return False
+    state = STATE
     if state.pools and not getattr(_raw_handler(_SIGINT), "_zmqpool_holds", False):
         _install()  # not yet, or the caller set a handler of its own since: wrap that one
+    if state.depth == 0:
+        state.waiting = False
     state.depth += 1
+    return True
+
+
+def unhold() -> None:
+    """Undo :func:`hold` for a call that failed to start; the exception raised stands for all."""
+    STATE.depth -= 1
+    if STATE.depth == 0:
+        STATE.held = None
 
 
 def release() -> None:
-    """The gate is let go: at the outermost level, raise an interrupt held meanwhile."""
+    """A pool call ends (its gate let go): at the outermost level, raise what was held back."""
     if _get_ident() != _MAIN:
         return
-    state = _state
+    state = STATE
     state.depth -= 1
     if state.depth == 0 and state.held is not None:
         raise_held()
@@ -88,30 +111,26 @@ def release() -> None:
 
 def raise_held() -> None:
     """Call the handler of the interrupt held back, if any (which raises, as a rule)."""
-    held = _state.held
+    held = STATE.held
     if held is not None:
-        _state.held = None
+        STATE.held = None
         handler, signum, frame = held
         handler(signum, frame)
 
 
-def unheld() -> int:
-    """Before a wait: raise what is held, and let interrupts through until :func:`reheld`."""
-    if threading.get_ident() != _MAIN:
-        return 0
-    depth, _state.depth = _state.depth, 0
-    try:
-        raise_held()
-    except BaseException:
-        _state.depth = depth
-        raise
-    return depth
+def wait_begins() -> bool:
+    """A pool call is about to wait: raise what is held, then let interrupts through.
 
-
-def reheld(depth: int) -> None:
-    """After a wait: hold interrupts back again, at the depth :func:`unheld` returned."""
-    if depth:
-        _state.depth = depth
+    Returns whether it opened the wait (the main thread, in a call, not waiting
+    already); if so, the caller ends it with ``STATE.waiting = False`` in a
+    ``finally`` (a store, not a call, so that no handler runs before it).
+    """
+    state = STATE
+    if _get_ident() != _MAIN or not state.depth or state.waiting:
+        return False
+    raise_held()
+    state.waiting = True
+    return True
 
 
 def _install() -> None:
@@ -136,10 +155,11 @@ def _holding(previous: Handler) -> Handler:
     """
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
-        if _state.depth and _state.held is None:
-            _state.held = (previous, signum, frame)
+        state = STATE
+        if state.depth and not state.waiting and state.held is None:
+            state.held = (previous, signum, frame)
             return
-        _state.held = None  # a second Ctrl-C: at once, whatever was half done
+        state.held = None  # in a wait, or a second Ctrl-C: at once
         previous(signum, frame)
 
     on_sigint._zmqpool_holds = True  # type: ignore[attr-defined]

@@ -167,6 +167,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._resources = Resources(self.config)
         self._finalizer = weakref.finalize(self, Resources.release, self._resources)
         self._batch_stats = BatchStats()
+        #: Requests a sync call left in flight when a Ctrl-C stopped its wait, by kind.
+        self._interrupted_sync: dict[Kind, int] = {}
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -329,6 +331,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     @_exclusive
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
+        self._settle_interrupted(Kind.RESET)
         with self._settled_on_error(Kind.RESET):
             return super()._reset(tensordict, **kwargs)
 
@@ -351,6 +354,21 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         except (EnvError, EnvLostError):
             self._settle(kind)
             raise
+        except KeyboardInterrupt:  # its requests stay in flight: the next sync call drops them
+            self._interrupted_sync[kind] = self._awaiting(kind)
+            raise
+
+    def _settle_interrupted(self, kind: Kind) -> None:
+        """Drop what a sync call interrupted in its wait left in flight, as ``SerialEnv`` has none.
+
+        Only if nothing was sent or taken on that channel since: an async
+        request the caller made meanwhile is theirs, and is refused as before.
+        """
+        left = self._interrupted_sync.pop(kind, None)
+        if left and left == self._awaiting(kind):
+            log.warning("dropping the results of the %s call interrupted before them", kind.value)
+            with self._runtime.gate:
+                self._settle(kind)
 
     def _settle(self, kind: Kind) -> None:
         """Take (and drop) what the batch channel of ``kind`` still awaits, errors included."""
@@ -409,11 +427,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
+        self._settle_interrupted(Kind.RESET)
         with self._settled_on_error(Kind.RESET):
             return super().reset(tensordict, **kwargs)
 
     def _check_idle(self, kind: Kind) -> None:
         self._check_open()
+        self._settle_interrupted(kind)
         if self._awaiting(kind) > 0:
             raise RuntimeError("Some envs are still processing a step.")
 
