@@ -30,7 +30,7 @@ from zmqpool.config import PoolConfig
 from zmqpool.errors import ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.events import Event, WorkerFailed, WorkerRegistered
 from zmqpool.layout import Layout, max_message_bytes
-from zmqpool.limits import MAX_SPEC_BYTES
+from zmqpool.limits import MAX_SPEC_BYTES, described
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
 from zmqpool.roster import Link, Roster, WorkerPhase, WorkerRecord
@@ -98,7 +98,7 @@ def first_difference(a: Any, b: Any, path: str = "specs") -> str | None:
             if found:
                 return found
         return None
-    return None if a == b else f"{path}: {a!r:.60} here, {b!r:.60} expected"
+    return None if a == b else f"{path}: {described(a, 60)} here, {described(b, 60)} expected"
 
 
 class Registrar:
@@ -145,6 +145,12 @@ class Registrar:
         return None
 
     def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
+        try:
+            self._on_message(identity, frames, remote)
+        except RecursionError:  # a peer's data nested deeper than Python recurses: dropped
+            self.ledger.drop("a control message nested too deep")
+
+    def _on_message(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
         if not frames:
             self.ledger.drop("control message without a header")
             return

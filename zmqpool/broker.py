@@ -42,7 +42,12 @@ from zmqpool import interrupts
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import Endpoints
 from zmqpool.layout import max_message_bytes
-from zmqpool.limits import CURVE_FRAME_OVERHEAD, MAX_REMOTE_CONTROL_BYTES
+from zmqpool.limits import (
+    CURVE_FRAME_OVERHEAD,
+    MAX_REMOTE_CONTROL_BYTES,
+    REMOTE_CONTROL_QUEUE,
+    REMOTE_RESULTS_QUEUE,
+)
 from zmqpool.protocol import Ping, recv_frames, send_frames
 from zmqpool.security import ServerKeys, make_server, start_authenticator
 from zmqpool.wire import Command, Header
@@ -110,6 +115,8 @@ class Broker:
         sock.linger = 0
         if remote:  # libzmq counts CURVE's own bytes per frame against the limit too
             max_bytes += CURVE_FRAME_OVERHEAD
+            queue = REMOTE_RESULTS_QUEUE if kind == zmq.PULL else REMOTE_CONTROL_QUEUE
+            sock.setsockopt(zmq.RCVHWM, queue)  # per connection: see limits
         # MAXMSGSIZE is per frame; libzmq reads it (and CURVE) when an endpoint is bound.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         if remote:
@@ -188,13 +195,19 @@ class Broker:
     # ------------------------------------------------------------ sending
 
     def route(self, identity: bytes, frames: list[Any], remote: bool) -> bool:
-        """Send ``frames`` to the worker ``identity`` on its side; False if it is not connected."""
+        """Send ``frames`` to the peer ``identity`` on its side; False if it was not sent.
+
+        Never waits: a peer that does not read (its queue at the high-water mark,
+        1,000 messages) loses the message, as one that is gone does, and
+        liveness handles a worker that stopped reading. A blocking send here
+        let a peer that floods REGISTERs and reads no REFUSE stop the trainer.
+        """
         side = self.remote if remote else self.local
         if side is None:
             return False
         try:
-            send_frames(side.router, [identity, *frames])
-        except zmq.ZMQError as err:  # EHOSTUNREACH: the worker is gone; liveness handles it
+            send_frames(side.router, [identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # EHOSTUNREACH: gone; EAGAIN: not reading
             log.debug("could not route to %r: %s", identity, err)
             return False
         return True

@@ -55,6 +55,7 @@ from zmqpool.limits import (
     MAX_NONTENSOR_BYTES,
     MAX_NONTENSOR_ITEMS,
     MAX_PEER_LAYOUT_BYTES,
+    described,
     is_int,
 )
 
@@ -560,7 +561,7 @@ class Decoder:
         self._plans.clear()
         for layout_id, data in announced.items():
             if not is_int(layout_id) or not 0 <= layout_id < MAX_LAYOUT_ID:
-                raise ProtocolError(f"bad layout id {layout_id!r}")
+                raise ProtocolError(f"bad layout id {described(layout_id)}")
             if layout_id not in self._layouts and len(self._layouts) >= self.max_layouts:
                 raise ProtocolError(f"peer announced more than {self.max_layouts} layouts")
             layout = self._checked(Layout.from_data(data))

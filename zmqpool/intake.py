@@ -42,6 +42,12 @@ class Intake:
         self.on_env_error: EnvErrorHook | None = None
 
     def on_result(self, frames: list[zmq.Frame], remote: bool) -> None:
+        try:
+            self._on_message(frames, remote)
+        except RecursionError:  # a peer's data nested deeper than Python recurses: dropped
+            self.ledger.drop("a message nested too deep")
+
+    def _on_message(self, frames: list[zmq.Frame], remote: bool) -> None:
         header = self._header(frames[0].buffer)
         if header is None:
             return

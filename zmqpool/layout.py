@@ -34,6 +34,7 @@ from zmqpool.limits import (
     MAX_KEY_NAME,
     MAX_LEAF_BYTES,
     MAX_LEAVES,
+    described,
     is_int,
 )
 
@@ -66,7 +67,7 @@ def dtype_from_name(name: Any) -> torch.dtype:
     """The torch dtype called ``name``; only the whitelisted ones exist."""
     dtype = _DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise ProtocolError(f"unknown dtype {name!r}")
+        raise ProtocolError(f"unknown dtype {described(name)}")
     return dtype
 
 

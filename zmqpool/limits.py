@@ -129,6 +129,16 @@ MAX_NONTENSOR_ITEMS = 16384
 #: checked: a keyless peer can make the pool hold at most this much per
 #: connection, for the handshake interval.
 MAX_REMOTE_CONTROL_BYTES = 256 << 10
+#: Messages libzmq queues for the pool per remote connection (its RCVHWM; the
+#: default is 1,000) before it stops reading that connection. What a peer can
+#: make the trainer hold between two of its calls is this many of the side's
+#: largest message per connection: at 1,000, eight connections of 256 KiB
+#: messages held 2 GB. A worker sends the control socket a REGISTER, its rare
+#: FAILEDs and heartbeats (dropped by it when the queue is full), and the
+#: results socket no more messages at a time than it has requests in flight;
+#: more waits in the worker (PUSH blocks), nothing is lost.
+REMOTE_CONTROL_QUEUE = 16
+REMOTE_RESULTS_QUEUE = 64
 
 
 def is_int(value: Any) -> bool:
@@ -139,3 +149,21 @@ def is_int(value: Any) -> bool:
     tests, on every header of every message.
     """
     return type(value) is int
+
+
+#: Types whose repr a peer cannot make costly or deep (a str or bytes is cut first).
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def described(value: Any, limit: int = 40) -> str:
+    """A peer's value for an error message: a scalar's repr (cut to ``limit``), else its type.
+
+    Never a container's repr: a list nested a thousand deep is a 1 KB message
+    whose repr raises ``RecursionError``, and a wide one a long message.
+    """
+    if type(value) not in _SCALARS:
+        return f"a {type(value).__name__}"
+    if type(value) in (str, bytes):
+        value = value[: limit + 1]
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -204,6 +204,7 @@ from zmqpool.limits import (
     MAX_MESSAGE_FRAMES,
     MAX_PARTS,
     MAX_TOKEN_BYTES,
+    described,
     is_int,
 )
 
@@ -307,11 +308,12 @@ class Header:
         # message received, and a call costs more than the test).
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise VersionMismatchError(
-                f"protocol version {version!r} received, this side speaks {PROTOCOL_VERSION}"
+                f"protocol version {described(version)} received, "
+                f"this side speaks {PROTOCOL_VERSION}"
             )
         known = _COMMANDS.get(command) if type(command) is int else None
         if known is None:
-            raise ProtocolError(f"unknown command {command!r}")
+            raise ProtocolError(f"unknown command {described(command)}")
         if type(env) is not int or type(seq) is not int or seq < 0:
             raise ProtocolError("header env and seq must be integers (seq >= 0)")
         if type(token) is not bytes or len(token) > MAX_TOKEN_BYTES:
@@ -746,10 +748,10 @@ def command_rows(header: Header, max_rows: int) -> tuple[Command, list[int], lis
     if body is None or not _COMMANDS_KEYS <= body.keys() <= _COMMANDS_KEYS_HELD:
         raise ProtocolError('a COMMANDS body must hold exactly "c", "envs" and "seqs" (and "h")')
     if body.get("h", True) is not True:
-        raise ProtocolError(f'a COMMANDS body\'s "h" must be true, not {body["h"]!r}')
+        raise ProtocolError(f'a COMMANDS body\'s "h" must be true, not {described(body["h"])}')
     command = _COMMANDS.get(body["c"]) if is_int(body["c"]) else None
     if command not in JOINABLE_COMMANDS:
-        raise ProtocolError(f"COMMANDS of {body['c']!r}, not a command that may be joined")
+        raise ProtocolError(f"COMMANDS of {described(body['c'])}, not a command that may be joined")
     envs, seqs = _rows_of(header, body, max_rows, "COMMANDS")
     return command, envs, seqs
 

@@ -1,0 +1,151 @@
+"""An allow-listed key that never registers, against a pool's remote side.
+
+Three findings of session 50's hostile audit, each with the pool under
+attack in its own process (:class:`tests.hostile.Victim`) and an honest
+local env whose steps must keep coming back:
+
+- a peer that floods REGISTERs and reads none of the REFUSEs: the pool's
+  blocking send of a REFUSE stopped the trainer for good;
+- a 1 KB header nested a thousand deep: formatting it into an error raised
+  ``RecursionError`` out of the user's recv;
+- complete messages queued by libzmq between two calls of the trainer: a
+  thousand a connection (RCVHWM's default) of 256 KiB each.
+"""
+
+from __future__ import annotations
+
+import time
+
+import hostile
+import msgpack
+import zmq
+from hostile import ScriptedWorker, Victim, client_keys
+
+from tests.netns import free_port_base
+from tests.test_network_hardening import HOST, MB, remote_victim
+
+
+def steps_of_env_0(victim: Victim, rounds: int, timeout_s: float, within_s: float = 60) -> list:
+    """``rounds`` steps of the victim's local env 0, each with a deadline of ``timeout_s``.
+
+    All of them within ``within_s`` (they take milliseconds each when nothing is wrong).
+    """
+    victim.command(f'step-envs {{"envs": [0], "timeout": {timeout_s}, "rounds": {rounds}}}')
+    return victim.wait("stepped_envs", timeout_s=within_s)["rounds"]
+
+
+def answered(rounds: list[dict]) -> int:
+    return sum(1 for r in rounds if "0" in r["results"] and not r["errors"])
+
+
+def test_a_peer_that_reads_no_refusal_cannot_stop_the_trainer(tmp_path, key_dir, context):
+    """60,000 malformed REGISTERs, none of the REFUSEs read: every step still comes back."""
+    port = free_port_base(HOST)
+    with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
+        victim.wait("constructed", timeout_s=60)
+        deaf = context.socket(zmq.DEALER)
+        deaf.linger, deaf.identity, deaf.rcvhwm, deaf.sndhwm = 0, b"deaf", 1, 0
+        deaf.setsockopt(zmq.RCVBUF, 4096)  # before connecting: the kernel holds little for it
+        deaf.curve_publickey, deaf.curve_secretkey, deaf.curve_serverkey = client_keys(key_dir, 1)
+        deaf.connect(f"tcp://{HOST}:{port}")
+        malformed = victim.hello.header("REGISTER", {"reg": {}})
+        for _ in range(60_000):
+            deaf.send(malformed)
+        rounds = steps_of_env_0(victim, rounds=100, timeout_s=5)
+        deaf.close(0)
+    assert answered(rounds) == 100, [r for r in rounds if r["errors"]][:1]
+
+
+def test_a_header_nested_a_thousand_deep_is_dropped(tmp_path, key_dir, context):
+    """On the results port and the control port: dropped, and the honest env's steps go on."""
+    port = free_port_base(HOST)
+    with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
+        victim.wait("constructed", timeout_s=60)
+        hello = victim.hello
+        deep = b"\x91" * 1015 + b"\xc0"  # [[[...[nil]...]]]: msgpack takes it, repr does not
+        as_command = (
+            b"\x97"
+            + msgpack.packb(hello.version)
+            + deep
+            + msgpack.packb(-1)
+            + msgpack.packb(0)
+            + msgpack.packb(b"", use_bin_type=True)
+            + b"\x90\xc0"
+        )
+        register = hello.register_body()
+        register["reg"]["pid"] = "PLACEHOLDER"
+        as_pid = msgpack.packb(
+            [hello.version, hello.commands["REGISTER"], -1, 0, b"", [], register],
+            use_bin_type=True,
+        ).replace(msgpack.packb("PLACEHOLDER"), deep)
+        sockets = []
+        for kind, target, frames in (
+            (zmq.PUSH, port + 1, [as_command]),
+            (zmq.DEALER, port, [as_command, as_pid]),
+        ):
+            sock = context.socket(kind)
+            sock.linger, sock.sndtimeo = 0, 5000
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(
+                key_dir, 1
+            )
+            sock.connect(f"tcp://{HOST}:{target}")
+            sockets.append((sock, frames))
+        rounds: list[dict] = []
+        for sock, frames in sockets:
+            for frame in frames:
+                seen = turned_away(victim.log())
+                sock.send(frame)
+                for _ in range(20):  # the pool reads its sockets only while in a call
+                    rounds += steps_of_env_0(victim, rounds=1, timeout_s=10)
+                    if turned_away(victim.log()) > seen:
+                        break
+                assert turned_away(victim.log()) > seen, "the message never reached the pool"
+        for sock, _ in sockets:
+            sock.close(0)
+    assert answered(rounds) == len(rounds) >= 3, rounds
+
+
+def turned_away(log: str) -> int:
+    """Messages the victim logged as dropped or refused (each reason's first is logged)."""
+    return log.count("dropped a message") + log.count("refused worker")
+
+
+def test_libzmq_queues_few_messages_of_a_remote_connection(tmp_path, key_dir, context):
+    """Four connections, 200 messages of 256 KiB each, sent while the trainer is not in a call.
+
+    libzmq used to queue a thousand messages a connection: all 200 MB. It now
+    stops reading a connection at 64 (``REMOTE_RESULTS_QUEUE``): 64 MB here.
+    """
+    port = free_port_base(HOST)
+    with remote_victim(
+        tmp_path, key_dir, port, remote_envs=1, local=[{"env_id": 0}], remote_spec={}
+    ) as victim:
+        honest = ScriptedWorker(
+            context, victim.hello, HOST, port, client_keys(key_dir, 0), b"honest-remote"
+        )
+        welcome = honest.register(timeout_s=60, until=lambda: victim.seen("construct_failed"))
+        assert welcome is not None, honest.refusals[-2:]
+        victim.wait("constructed", timeout_s=60)
+        assert answered(steps_of_env_0(victim, rounds=3, timeout_s=10)) == 3
+        before = hostile.settled_rss(victim.pid)
+        frame = b"\x00" * (256 << 10)  # the remote side's frame limit, as remote_spec gives it
+        pushes = []
+        for _ in range(4):
+            push = context.socket(zmq.PUSH)
+            push.linger, push.sndhwm = 0, 0  # the attacker's side queues without bound
+            push.curve_publickey, push.curve_secretkey, push.curve_serverkey = client_keys(
+                key_dir, 1
+            )
+            push.connect(f"tcp://{HOST}:{port + 1}")
+            pushes.append(push)
+        for push in pushes:
+            for _ in range(200):
+                push.send(frame, copy=False)
+        time.sleep(0)  # the sends are queued; what the victim takes in is measured below
+        held = hostile.settled_rss(victim.pid, timeout_s=15) - before
+        rounds = steps_of_env_0(victim, rounds=5, timeout_s=30)
+        for push in pushes:
+            push.close(0)
+        honest.close()
+    assert held < 130 * MB, f"the trainer took in {held / MB:.0f} MB from 4 connections"
+    assert answered(rounds) == 5
