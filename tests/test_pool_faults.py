@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -125,3 +127,26 @@ def test_timeout_bounds_a_recv_on_an_env_s_own_channel(odd_pool):
         odd_pool.async_step_recv(env_index=SLOW, timeout=0.05)
     out = odd_pool.async_step_recv(env_index=SLOW, timeout=30)  # kept for the next call
     assert int(out["env_index"]) == SLOW and out["next", "observation"][:2].tolist() == [1.0, 1.0]
+
+
+def test_an_env_s_own_channel_answers_a_result_before_a_later_error(odd_pool):
+    """Two sends on env 0's own channel, the second raising: the first recv gets the result.
+
+    Both replies are in before the first recv (the pool reads them while it
+    waits for env 1 on the batch channel). The error used to be raised first,
+    and every recv after it then took the answer of the request before its own.
+    """
+    td = odd_pool.reset()
+    own = td[RAISING].exclude("env_index")
+    own["action"] = torch.full((1,), 0.5)
+    odd_pool.async_step_send(own.clone(), env_index=RAISING)  # step 1: a result
+    odd_pool.async_step_send(own.clone(), env_index=RAISING)  # step 2: raises
+    deadline = time.monotonic() + 30
+    while odd_pool.env_stats()[RAISING]["in_flight"]:  # pump: step the slow env meanwhile
+        assert time.monotonic() < deadline, "env 0 did not answer both in 30 s"
+        odd_pool.async_step_send(one(td, SLOW), env_index=[SLOW])
+        odd_pool.async_step_recv(min_get=1, timeout=30)
+    first = odd_pool.async_step_recv(env_index=RAISING, timeout=30)
+    assert first["next", "observation"][:2].tolist() == [0.0, 1.0]
+    with pytest.raises(EnvError, match="failed at step 2"):
+        odd_pool.async_step_recv(env_index=RAISING, timeout=30)

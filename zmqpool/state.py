@@ -229,7 +229,15 @@ class Ledger:
         return len(self.ready.get(channel, ()))
 
     def first_error(self, channel: Channel) -> Reply | None:
-        for reply in self.ready.get(channel, ()):
+        """The ready error a recv on ``channel`` raises now, if any.
+
+        On an env's own channel, the oldest reply only: its requests are answered
+        in order, one recv each, so an error waits behind the results before it.
+        """
+        ready = self.ready.get(channel, ())
+        if channel[1] is not None:
+            return ready[0] if ready and ready[0].error is not None else None
+        for reply in ready:
             if reply.error is not None:
                 return reply
         return None
