@@ -84,19 +84,27 @@ class ExtraKeyEnv(ZMQCountingEnv):
     only (an exclusive key).
     """
 
-    def __init__(self, env_id: int = 0, **kwargs) -> None:
+    def __init__(self, env_id: int = 0, text: bool = False, **kwargs) -> None:
         kwargs.setdefault("obs_shape", (6,))
         super().__init__(env_id=env_id, **kwargs)
         self.observation_spec["extra"] = Unbounded(shape=(2,), dtype=torch.float32)
+        self.text = text  # a non-tensor observation too
+        if text:
+            self.observation_spec["text"] = NonTensor(shape=(), example_data="e0c0")
 
     def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
         out = super()._reset(tensordict, **kwargs)
         out["extra"] = torch.full((2,), 10.0 * self.env_id)
-        return out
+        return self._with_text(out)
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         out = super()._step(tensordict)
         out["extra"] = torch.full((2,), 10.0 * self.env_id + self.count)
+        return self._with_text(out)
+
+    def _with_text(self, out: TensorDictBase) -> TensorDictBase:
+        if self.text:
+            out["text"] = NonTensorData(f"e{self.env_id}c{self.count}")
         return out
 
 

@@ -1317,3 +1317,44 @@ class TestTwoDifferentEnvsLazy(SameCallsOnBoth):
         o, z = pair.both(run)
         for name, got_o, got_z in zip(["reset", "result", "next root"], o, z, strict=True):
             assert_same_td(got_o, got_z, f"per-env {name} of env {env}")
+
+
+def test_unlike_envs_on_cpu_step_and_reset_and_roll_out_as_torchrls_pool():
+    """Two unlike envs built with ``device="cpu"``, one with a text observation (stack="lazy").
+
+    Found by an audit: a result stacked from the caller's inputs (no device)
+    and the roots an env sent back (on cpu) failed ("devices differ") in
+    step_and_maybe_reset, its async form and rollout. (Partial steps are not
+    compared: with the text key only in env 1, SerialEnv and torchrl's pool
+    fail on them too.)
+    """
+    makers = [
+        functools.partial(ZMQCountingEnv, env_id=0, max_steps=3, device="cpu"),
+        functools.partial(ExtraKeyEnv, env_id=1, max_steps=5, device="cpu", text=True),
+    ]
+
+    def run(p):
+        # Clones: torchrl's threading pool writes "next" into what it was sent.
+        td = p.reset()
+        td["action"] = torch.ones(2, 1)
+        result, root = p.step_and_maybe_reset(td)
+        out = [result.clone(), root.clone()]
+        root["action"] = torch.ones(2, 1)
+        p.async_step_and_maybe_reset_send(root, env_index=[0, 1])
+        later, later_root = p.async_step_and_maybe_reset_recv(min_get=2, timeout=RECV_TIMEOUT)
+        torch.manual_seed(0)  # the same random actions from the same specs
+        return [*out, later, later_root, p.rollout(4)]
+
+    oracle = AsyncEnvPool(makers, backend="threading", stack="lazy")
+    pool = ZMQAsyncEnvPool(makers, stack="lazy", config=FAST)
+    try:
+        expected, got = run(oracle), run(pool)
+    finally:
+        oracle.close()
+        pool.close()
+    names = ["step_and_maybe_reset", "its next root", "async", "its next root", "rollout"]
+    for name, want, have in zip(names, expected, got, strict=True):
+        assert_same_td(want, have, name)
+    # A step's results carry the envs' device, as torchrl's pool's do (its rollout's
+    # has none: ours keeps the envs', as SerialEnv's does).
+    assert [td.device for td in got[:4]] == [td.device for td in expected[:4]]

@@ -188,7 +188,10 @@ class Assembler:
         if self.dense and _one_layout(parts):
             stacked: TensorDictBase = stack_parts(parts)
         else:
-            stacked = self.stack_tds([_as_tensordict(p) for p in parts])
+            tds = [_as_tensordict(p) for p in parts]
+            if self.device is not None:  # a lazy stack refuses parts of unlike devices
+                tds = [td if td.device == self.device else td.to(self.device) for td in tds]
+            stacked = self.stack_tds(tds)
         if self.device is not None and stacked.device != self.device:
             stacked = stacked.to(self.device)
         return stacked

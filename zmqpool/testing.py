@@ -42,6 +42,7 @@ class CountingEnv(EnvBase):
         max_steps: steps per episode (``None``: never done).
         step_sleep_s: ``(low, high)``: each step sleeps a uniform time in it,
             to model a simulator's latency.
+        device: torchrl's env ``device`` (None: none, as by default).
 
     Example:
         >>> env = CountingEnv(env_id=3)
@@ -57,8 +58,9 @@ class CountingEnv(EnvBase):
         obs_dtype: torch.dtype = torch.float32,
         max_steps: int | None = None,
         step_sleep_s: tuple[float, float] = (0.0, 0.0),
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(batch_size=())
+        super().__init__(batch_size=(), device=device)
         self.env_id = env_id
         self.max_steps = max_steps
         self.step_sleep_s = step_sleep_s
