@@ -236,3 +236,40 @@ def test_a_trainer_pause_longer_than_the_heartbeat_timeout_restarts_nothing():
         assert pool.env_stats()[0]["restarts"] == 0
     finally:
         pool.close()
+
+
+def test_a_step_that_kills_its_worker_kills_it_once_and_none_runs_twice():
+    """Six steps queued on one env's channel, the last one exiting the process (chaos audit).
+
+    Replies the worker had not sent yet died with it. The steps were sent
+    again to the new worker, the first as a reset: the ones it had run ran
+    twice, and the fatal one killed each new worker in turn, one restart per
+    step queued before it (a crash loop with ``max_restarts=2``). Now every
+    step in flight is answered by a truncation: one restart, none run again.
+    """
+    pool = ZMQAsyncEnvPool(
+        FaultyEnv,
+        create_env_kwargs=[{"fault": "exit", "fault_at": 6, "step_sleep_s": (0.1, 0.1)}],
+        config=PoolConfig(
+            register_timeout_s=90.0,
+            close_timeout_s=2.0,
+            restart_backoff_s=0.01,
+            max_restarts=2,
+            env_threads=False,
+        ),
+    )
+    try:
+        pool.reset()
+        for step in range(1, 7):
+            pool.async_step_send(TensorDict({"action": torch.full((1,), step / 10)}, []), 0)
+        counts, truncated = [], []
+        for _ in range(6):
+            out = pool.async_step_recv(env_index=0, timeout=60)
+            counts.append(int(out["next", "observation"][1]))
+            truncated.append(bool(out["next", "truncated"]))
+        first_cut = truncated.index(True)  # the fatal step is cut short, at least
+        assert counts[:first_cut] == list(range(1, first_cut + 1))  # run once, in order
+        assert all(truncated[first_cut:]) and not any(counts[first_cut:])
+        assert pool.env_stats()[0]["restarts"] == 1
+    finally:
+        pool.close()

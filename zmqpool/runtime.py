@@ -406,7 +406,8 @@ class Runtime:
 
         A restarted env was rebuilt but not reset; stepping it would step an env
         that never began an episode, so its first step becomes a reset, answered
-        to the caller as a truncation (``pending.synth``).
+        to the caller as a truncation (``pending.synth``). So does every step that
+        was in flight when its worker died or hung (see ``Supervisor._resend``).
         """
         record = self.roster.envs[env]
         link = record.link
@@ -416,7 +417,7 @@ class Runtime:
         resets = command not in STEPS
         # A seed begins nothing; anything else to a fresh env begins its life (roster.begin).
         fresh = command is not Command.SEED and record.phase is EnvPhase.FRESH
-        if fresh and not resets:  # what begin() will say
+        if (fresh or pending.synth) and not resets:  # what begin() will say, or a step cut short
             command, payload, pending.synth = Command.RESET, None, True
         outbox = self._outbox if link.batches else None  # within send_all(): with its others
         if outbox is not None and type(payload) is DecodedPart and pending.body is None:

@@ -17,10 +17,11 @@ register again; past that, their requests fail with
 
 Requests in flight on a dead worker stay in the :class:`~zmqpool.state.Ledger`.
 When the new process registers, each is sent again with a new sequence number
-(the old worker's token is void, so its late replies are dropped); the first
-step-type request of a restarted env is sent as a reset instead, and its reply
-is marked ``synthesized``: the pool answers it as a truncation caused by the
-restart (:mod:`zmqpool.synthesis`).
+(the old worker's token is void, so its late replies are dropped); a step-type
+request is sent as a reset instead, and its reply is marked ``synthesized``:
+the pool answers it as a truncation caused by the restart
+(:mod:`zmqpool.synthesis`). No step is run twice, and a step that kills its
+worker is not sent to the next one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from zmqpool.events import Event, ProcessExited, WorkerFailed, WorkerRegistered
 from zmqpool.launcher import ForkServerStarting, describe_status
 from zmqpool.policy import Liveness, RestartPolicy
 from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
-from zmqpool.state import Ledger, Pending
+from zmqpool.state import STEPS, Ledger, Pending
 
 log = logging.getLogger("zmqpool")
 
@@ -123,10 +124,19 @@ class Supervisor:
         self.ledger.fail(envs, error)
 
     def _resend(self, envs: list[int]) -> None:
-        """A restarted or rejoining worker is in: resend what is in flight on its (fresh) envs."""
+        """A restarted or rejoining worker is in: resend what is in flight on its (fresh) envs.
+
+        Every step among them is sent as a reset and answered as a truncation
+        (``pending.synth``), not run again: the old worker may have run it
+        already (its reply lost with it), it was meant for an episode that is
+        gone, and the step that killed the worker would kill the new one too,
+        one restart per step queued behind it.
+        """
         for env in envs:
             for pending in list(self.ledger.slots[env].in_flight):
                 self.ledger.restamp(env, pending)
+                if pending.command in STEPS:
+                    pending.synth = True
                 self.dispatch(env, pending)
 
     def on_env_error(self, env: int, pending: Pending, error: EnvError) -> bool:
