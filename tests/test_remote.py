@@ -201,6 +201,43 @@ def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_hos
                 stop(process)
 
 
+def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(remote_host, key_dir):
+    """The same key, a new process, registering while the trainer is busy (chaos audit).
+
+    Its old worker was still live as far as the pool knew (nobody is judged
+    silent on time the pool did not listen), so the new one was refused "no
+    room", gave up, and the env was reported lost after ``rejoin_timeout_s``
+    while its replacement ran. It now waits for the old one's verdict.
+    """
+    port = free_port_base(remote_host.pool_ip)
+    slow = {"step_sleep_s": [0.5, 0.5]}  # the step is in flight when the host dies
+    first = start_remote_worker(remote_host, port, key_dir, kwargs=slow, extra=FAST_BEATS)
+    pool = remote_pool(remote_host, port, key_dir)
+    replacement = None
+    try:
+        pool.reset()
+        step(pool, [0])
+        first.kill()  # the whole host goes away: supervisor and env process
+        for pid in ns_children(first):
+            os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        replacement = start_remote_worker(remote_host, port, key_dir, key=0, extra=FAST_BEATS)
+        deadline = time.monotonic() + 60  # the trainer is busy until its env process is up
+        while not ns_children(replacement):
+            assert time.monotonic() < deadline, "the replacement's env process never started"
+            time.sleep(0.05)
+        time.sleep(2.0)  # and a while longer: the new worker registers meanwhile
+        out = pool.async_step_recv(min_get=1, timeout=90)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+    finally:
+        pool.close()
+        for process in (first, replacement):
+            if process is not None:
+                stop(process)
+
+
 def test_a_remote_env_that_hung_once_takes_its_slot_back_when_it_wakes(remote_host, key_dir):
     # step_timeout_s sets the worker aside (its token void) and the pool asks it to
     # register again (REJOIN): once its step ends it does, and takes its slot back.

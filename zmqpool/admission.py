@@ -27,7 +27,7 @@ import zmq
 from zmqpool.broker import Broker
 from zmqpool.codec import Decoder, Encoder, layout_of
 from zmqpool.config import PoolConfig
-from zmqpool.errors import ProtocolError, RegistrationError, VersionMismatchError
+from zmqpool.errors import NoRoomError, ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.events import Event, WorkerFailed, WorkerRegistered
 from zmqpool.layout import Layout, max_message_bytes
 from zmqpool.limits import MAX_SPEC_BYTES, described
@@ -245,6 +245,15 @@ class Registrar:
         try:
             reg = Register.from_body(header.body)
             record, specs = self._admit(identity, key, reg, remote)
+        except NoRoomError as err:
+            if not self.roster.held_live(key, len(reg.specs)):
+                self._refuse(identity, str(err), remote)
+                return
+            # Its key's live worker of as many slots is likely the one it replaces, gone
+            # while the pool was not listening: no answer, so it asks again (with backoff)
+            # and gets the slots once that worker is found silent and they are vacated.
+            self.ledger.drop("a REGISTER for slots its key's live worker holds: it waits")
+            return
         except (RegistrationError, ProtocolError) as err:
             self._refuse(identity, str(err), remote)
             return

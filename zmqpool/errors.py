@@ -44,6 +44,11 @@ class RegistrationError(ZMQPoolError, RuntimeError):
     """A worker was refused at registration, or env slots were never filled."""
 
 
+class NoRoomError(RegistrationError):
+    """A remote worker asked for more env slots than are free (internal: its REGISTER waits
+    or is refused, see :mod:`zmqpool.admission`)."""
+
+
 class EnvError(ZMQPoolError, RuntimeError):
     """An env raised inside its worker.
 

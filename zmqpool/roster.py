@@ -42,7 +42,7 @@ from typing import Any
 
 from zmqpool.codec import Decoder, Encoder
 from zmqpool.conformity import ReplyCheck
-from zmqpool.errors import RegistrationError
+from zmqpool.errors import NoRoomError, RegistrationError
 from zmqpool.launcher import WorkerProcess
 
 
@@ -287,7 +287,7 @@ class Roster:
                 )
             free = list(wanted)
         if count < 1 or len(free) < count:
-            raise RegistrationError(
+            raise NoRoomError(
                 f"no room: asked for {count} env slots, {len(free)} of the pool's "
                 f"{len(self.remote_indices)} remote slots are free"
             )
@@ -321,6 +321,17 @@ class Roster:
     def _vacated_by(self, index: int, key: str | None) -> bool:
         holder = self.envs[index].holder
         return holder is not None and key is not None and holder.key == key
+
+    def held_live(self, key: str | None, count: int) -> bool:
+        """Whether a live remote worker of ``key`` holds ``count`` env slots.
+
+        A new worker of that key asking for as many, with no slot free, is most
+        likely its replacement (the host restarted while the pool was not
+        listening, so the old one is not yet known to be gone).
+        """
+        return key is not None and any(
+            w.phase is WorkerPhase.LIVE and len(w.envs) == count for w in self.keyed(key)
+        )
 
     def keyed(self, key: str) -> list[WorkerRecord]:
         """The remote workers known by ``key``."""
