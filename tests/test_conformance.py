@@ -18,8 +18,7 @@ Other oracles, each marked where used:
   children, ``HeterogeneousCountingEnv``, the ``Collector``;
 - torchrl's ``AsyncEnvPool(backend="multiprocessing", exchange="shm")`` for
   ``stats()`` (its threading pool returns ``{}``);
-- standalone envs, each seeded with ``s + i``, for ``set_seed`` (torchrl's
-  pool raises ``NotImplementedError``).
+- ``SerialEnv`` for ``set_seed`` (torchrl's pool raises ``NotImplementedError``).
 
 Pools are expensive (each zmqpool worker process imports torchrl): each one
 is built once, by a class-scoped fixture, shared by the tests of its class,
@@ -896,28 +895,28 @@ class TestDeadlines:
         o, z = pair.both(run)
         assert_same_td(o, z, "step() with envs finishing in the order 1, 0, 2")
 
-    def test_set_seed_seeds_env_i_with_seed_plus_i(self, pair):
+    @pytest.mark.parametrize("static_seed", [False, True])
+    def test_set_seed_seeds_as_serial_env_does(self, pair, static_seed):
         # torchrl differs: AsyncEnvPool.set_seed raises NotImplementedError.
-        # zmqpool seeds env i with s + i (SerialEnv chains seed_generator, so
-        # env i gets another seed there): the oracle is each env built alone
-        # and seeded with s + i. zmqpool's CountingEnv shows its seed in
-        # observation[3].
+        # SerialEnv is the reference: env 0 gets s, env i + 1 the seed env i's
+        # set_seed returned (every env s with static_seed). zmqpool's
+        # CountingEnv shows its seed in observation[3].
         with pytest.raises(NotImplementedError):
             pair.oracle.set_seed(7)
-        expected = []
-        for i, maker in enumerate(delayed_makers()):
-            env = maker()
-            env.set_seed(7 + i)
-            expected.append(env.reset())
+        serial = SerialEnv(len(DELAYS), delayed_makers())
         try:
-            pair.zmq.set_seed(7)
+            returned = serial.set_seed(7, static_seed=static_seed)
+            expected = serial.reset()
+        finally:
+            serial.close()
+        try:
+            assert pair.zmq.set_seed(7, static_seed=static_seed) == returned
             actual = pair.zmq.reset()
         finally:
             pair.zmq.set_seed(None)  # the shared pool's envs go back to unseeded
-        assert_same_td(
-            torch.stack(expected), actual, "set_seed(7) then reset()", exclude=[ENV_INDEX]
-        )
-        assert actual["observation"][:, 3].tolist() == [7.0, 8.0, 9.0]
+        assert_same_td(expected, actual, "set_seed(7) then reset()", exclude=[ENV_INDEX])
+        seeds = actual["observation"][:, 3].tolist()
+        assert (seeds == [7.0] * len(DELAYS)) == static_seed, seeds
 
     # ------------------------------------------------------------ close (last: ends the pools)
 

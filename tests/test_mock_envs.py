@@ -28,11 +28,11 @@ per-agent entries are lazy inside a dense stack of envs).
 own env returns (the pools follow the env); ``TORCHRL_POOL_FAILS`` records
 where torchrl's own pool fails.
 
-Seeding: ``ZMQAsyncEnvPool.set_seed(s)`` seeds env ``i`` with ``s + i``;
-``SerialEnv.set_seed(s)`` seeds env 0 with ``s`` and env ``i + 1`` with the
-seed env ``i`` returned (torchrl's ``seed_generator`` chain); torchrl's
-``AsyncEnvPool.set_seed`` raises ``NotImplementedError``. To compare, the
-references seed their envs ``s + i`` directly (``seed_envs``).
+Seeding: ``ZMQAsyncEnvPool.set_seed(s)`` seeds as ``SerialEnv.set_seed(s)``
+does: env 0 with ``s`` and env ``i + 1`` with the seed env ``i`` returned
+(torchrl's ``seed_generator`` chain); torchrl's ``AsyncEnvPool.set_seed``
+raises ``NotImplementedError``, so its envs are seeded along the same chain
+directly (``seed_envs``).
 """
 
 from __future__ import annotations
@@ -245,18 +245,13 @@ RUNNABLE = [name for name in CASES if name not in SERIAL_FAILS]
 
 
 def seed_envs(env: EnvBase, seed: int) -> None:
-    """Seed env ``i`` with ``seed + i``, the way ZMQAsyncEnvPool.set_seed does."""
-    if isinstance(env, ZMQAsyncEnvPool):
+    """``SerialEnv.set_seed``'s chain: env 0 gets ``seed``, env ``i + 1`` what env ``i`` gave."""
+    if isinstance(env, (ZMQAsyncEnvPool, SerialEnv)):
         env.set_seed(seed)
         return
-    if isinstance(env, SerialEnv):
-        if env.is_closed:
-            env.start()  # SerialEnv builds its envs lazily
-        subs = env._envs
-    else:
-        subs = env.envs  # torchrl's threading pool: its set_seed raises
-    for i, sub in enumerate(subs):
-        sub.set_seed(seed + i)
+    next_seed: int | None = seed
+    for sub in env.envs:  # torchrl's threading pool: its set_seed raises
+        next_seed = sub.set_seed(next_seed)
 
 
 def fixed_action_policy(action: TensorDictBase) -> Callable[[TensorDictBase], TensorDictBase]:

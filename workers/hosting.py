@@ -16,13 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, TensorDict, TensorDictBase
 from torchrl.data import Composite
 from torchrl.envs import EnvBase
 
 from zmqpool.codec import leaf_state
 from zmqpool.errors import EnvMakerError, ProtocolError
-from zmqpool.wire import Command
+from zmqpool.wire import NEXT_SEED, Command
 
 Parts = list[TensorDictBase]
 Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
@@ -253,11 +253,16 @@ def _lean_step_and_maybe_reset(env: EnvBase, td: TensorDictBase) -> bool:
 
 
 def _seed(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    seed = body.get("seed")
-    if seed is not None and not isinstance(seed, int):
-        raise ProtocolError(f"seed must be an integer or nil, got {seed!r}")
-    env.set_seed(seed, static_seed=True)
-    return []
+    """``env.set_seed(seed, static_seed)``; the reply carries the seed it returned (SerialEnv's
+    chain: the pool seeds the next env with it)."""
+    seed, static = body.get("seed"), body.get("static", False)
+    if seed is not None and (type(seed) is not int):
+        raise ProtocolError(f"seed must be an integer or nil, got {type(seed).__name__}")
+    if type(static) is not bool:
+        raise ProtocolError(f"static must be a bool, got {type(static).__name__}")
+    following = env.set_seed(seed, static_seed=static)
+    following = None if following is None else int(following)
+    return [TensorDict({NEXT_SEED: NonTensorData(following)}, batch_size=())]
 
 
 def _need(td: TensorDictBase | None) -> TensorDictBase:

@@ -62,7 +62,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="SIGKILL one worker halfway through and show the pool restart it",
     )
-    demo.add_argument("--seed", type=int, default=0, help="env i gets seed + i (default 0)")
+    demo.add_argument("--seed", type=int, default=0, help="pool.set_seed(SEED) (default 0)")
     demo.add_argument(
         "--step-timeout",
         type=float,

@@ -265,7 +265,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     )
     try:
         if opts.seed is not None:
-            pool.set_seed(opts.seed)  # env i gets seed + i
+            pool.set_seed(opts.seed)  # as SerialEnv: env 0 gets seed, the next what it returned
         root = pool.reset()
         return _measure(pool, opts, root, time.monotonic() - start)
     finally:

@@ -619,13 +619,25 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ seeding, closing
 
-    @_exclusive
+    def set_seed(self, seed: int | None = None, static_seed: bool = False) -> int | None:
+        """``SerialEnv.set_seed`` (torchrl's pool raises ``NotImplementedError``).
+
+        Env 0 is seeded with ``seed``, env ``i + 1`` with the seed env ``i``'s
+        ``set_seed`` returned (torchrl's ``seed_generator`` chain; with
+        ``static_seed=True``, every env gets ``seed``). Returns the last env's.
+        """
+        return self._seed_envs(seed, static_seed)
+
     def _set_seed(self, seed: int | None) -> None:
-        """Seed env ``i`` with ``seed + i`` (torchrl's pool raises NotImplementedError)."""
+        """torchrl's hook: :meth:`set_seed`'s seeding."""
+        self._seed_envs(seed, False)
+
+    @_exclusive
+    def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
         self._check_open()
         if self._busy:
             raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
-        self._runtime.set_seed(seed, self._raise_taken)
+        return self._runtime.set_seed(seed, static_seed, self._raise_taken)
 
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
         """torchrl's batch figures (``batches``, ``items``, ``avg_batch_size``, ...).

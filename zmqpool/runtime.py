@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import zmq
+from tensordict import NonTensorData
 
 from zmqpool import forkservers, interrupts
 from zmqpool.admission import Registrar
@@ -71,6 +72,7 @@ from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
 from zmqpool.wire import (
+    NEXT_SEED,
     Command,
     Header,
     Row,
@@ -671,14 +673,22 @@ class Runtime:
         self.supervisor.tick(time.monotonic())
         return drained
 
-    def set_seed(self, seed: int | None, raise_error: Callable[[Reply], NoReturn]) -> None:
-        """Seed env ``i`` with ``seed + i``, each on its own channel, and wait for every one."""
+    def set_seed(
+        self, seed: int | None, static_seed: bool, raise_error: Callable[[Reply], NoReturn]
+    ) -> int | None:
+        """``SerialEnv.set_seed``: env 0 gets ``seed``, env ``i + 1`` what env ``i``'s returned.
+
+        One env after the other, each on its own channel (a round trip each);
+        returns what the last one returned.
+        """
         for env in range(self.plan.num_envs):
-            body = {"seed": None if seed is None else int(seed) + env}
+            body = {"seed": seed, "static": static_seed}
             self.send(env, Command.SEED, None, True, body=body)
-        for env in range(self.plan.num_envs):
-            channel = (Kind.RESET, env)
-            self.collect(channel, 1, 1, self.config.register_timeout_s, raise_error)
+            [reply] = self.collect(
+                (Kind.RESET, env), 1, 1, self.config.register_timeout_s, raise_error
+            )
+            seed = _next_seed(reply)
+        return seed
 
     # ------------------------------------------------------------ processes
 
@@ -693,3 +703,13 @@ class Runtime:
 
 #: Sorts replies by env index (in C: a lambda would be a Python call per reply).
 _BY_ENV = operator.attrgetter("env")
+
+
+def _next_seed(reply: Reply) -> int | None:
+    """The seed a SEED reply carries (checked: a peer's value)."""
+    value = reply.parts[0].to_tensordict().get(NEXT_SEED) if reply.parts else None
+    if isinstance(value, NonTensorData):
+        value = value.data
+    if value is not None and type(value) is not int:
+        raise ProtocolError(f"env {reply.env}: set_seed replied with a {type(value).__name__}")
+    return value

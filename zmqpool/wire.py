@@ -231,6 +231,10 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 7
 
 
+#: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
+NEXT_SEED = "next_seed"
+
+
 class Command(enum.IntEnum):
     """What a message asks for or answers."""
 
@@ -240,7 +244,7 @@ class Command(enum.IntEnum):
     STEP_AND_MAYBE_RESET = 3  # reply: "next" subtree, then the next root
     STEP_RAW = 4  # env._step(td) (torchrl's private path), reply: its output
     RESET_RAW = 5  # env._reset(td), reply: its output
-    SEED = 6  # env.set_seed(body["seed"]), reply: empty result
+    SEED = 6  # env.set_seed(body["seed"], body["static"]), reply: {"next_seed": what it returned}
     CLOSE = 7  # shut down
     WELCOME = 8  # registration accepted: body["reg"] has token and env indices
     REFUSE = 9  # registration refused: body["err"]
