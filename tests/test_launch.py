@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from tests.conftest import FAST
-from zmqpool import VersionMismatchError, ZMQAsyncEnvPool, wire
+from zmqpool import RegistrationError, VersionMismatchError, ZMQAsyncEnvPool, wire
 from zmqpool.testing import CountingEnv
 from zmqpool.wire import PROTOCOL_VERSION, Command, Header
 
@@ -90,3 +90,15 @@ def test_a_worker_facing_a_pool_of_another_version_exits_at_once():
     assert worker.returncode == 2, stderr
     assert "speaks another protocol version" in stderr
     assert f"protocol version {PROTOCOL_VERSION + 1} received" in stderr
+
+
+def test_a_local_worker_refused_at_registration_fails_construction_saying_why():
+    """A dense pool of envs whose specs differ (observation shapes): the pool refuses env 1.
+
+    The worker exits when refused; construction used to say only that it
+    "exited with status 2 before registering", the reason in its stderr.
+    """
+    makers = [CountingEnv, CountingEnv]
+    kwargs = [{"env_id": 0}, {"env_id": 1, "obs_shape": (5,)}]
+    with pytest.raises(RegistrationError, match=r"envs \[[01]\] was refused: spec mismatch"):
+        ZMQAsyncEnvPool(makers, create_env_kwargs=kwargs, config=FAST)

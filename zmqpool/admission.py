@@ -234,6 +234,16 @@ class Registrar:
         if record is not None and not record.remote:
             self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
 
+    def _tell_setup(self, identity: bytes, reason: str, remote: bool) -> None:
+        """A worker this pool started and refused: construction raises, saying why.
+
+        Refused, it exits; without this the trainer heard only its exit status,
+        the reason (a spec mismatch, say) in the worker's stderr.
+        """
+        record = self._sender(identity, None, remote)
+        if record is not None and not record.remote and record.phase is WorkerPhase.STARTING:
+            self.events.append(WorkerFailed(identity, FailureKind.REFUSED, reason))
+
     def _refuse(self, identity: bytes, reason: str, remote: bool) -> None:
         self.ledger.refuse(identity, reason)
         refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
@@ -256,6 +266,7 @@ class Registrar:
             return
         except (RegistrationError, ProtocolError) as err:
             self._refuse(identity, str(err), remote)
+            self._tell_setup(identity, str(err), remote)
             return
         if record is None:  # a duplicate: our WELCOME was lost; say it again
             known = self.roster.worker(identity)

@@ -108,6 +108,7 @@ class FailureKind(enum.StrEnum):
     MAKER = "maker"  # FAILED: the env maker raised while building the env
     REGISTER = "register"  # FAILED: built, but its REGISTER is too large to send
     VERSION = "version"  # never on the wire: the pool found the worker speaks another version
+    REFUSED = "refused"  # never on the wire: the pool refused a worker it started (why: err)
 
 
 #: The kinds a peer may send (VERSION is the pool's own finding).

@@ -362,6 +362,9 @@ class Runtime:
     def _raise_setup_failure(self, event: WorkerFailed) -> NoReturn:
         if event.kind == FailureKind.REGISTER:  # built, but its REGISTER could not go
             raise RegistrationError(f"env {event.env}: {event.err}")
+        if event.kind == FailureKind.REFUSED:
+            envs = self._envs_of(event.identity)
+            raise RegistrationError(f"the worker of envs {envs} was refused: {event.err}")
         if event.kind == FailureKind.VERSION:
             raise VersionMismatchError(
                 f"the worker of envs {self._envs_of(event.identity)} runs another zmqpool than "
