@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
-from torchrl.data import NonTensor, Unbounded
+from torchrl.data import Bounded, NonTensor, Unbounded
 from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
 
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
@@ -106,6 +106,16 @@ class ExtraKeyEnv(ZMQCountingEnv):
         if self.text:
             out["text"] = NonTensorData(f"e{self.env_id}c{self.count}")
         return out
+
+
+class WideActionEnv(ZMQCountingEnv):
+    """zmqpool's CountingEnv whose action bounds are ``±(env_id + 1)``: envs that differ in
+    spec values only (their stack is dense, its action spec a lazy stack of specs)."""
+
+    def __init__(self, env_id: int = 0, **kwargs) -> None:
+        super().__init__(env_id=env_id, **kwargs)
+        bound = float(env_id + 1)
+        self.action_spec = Bounded(-bound, bound, shape=(1,), dtype=torch.float32)
 
 
 def counting_makers(n: int, max_steps: int = 4, **kwargs) -> list[Callable]:

@@ -54,6 +54,7 @@ from tests.conformance import (
     ENV_INDEX,
     ExtraKeyEnv,
     RaisingEnv,
+    WideActionEnv,
     assert_same_error,
     assert_same_spec,
     assert_same_td,
@@ -1357,3 +1358,33 @@ def test_unlike_envs_on_cpu_step_and_reset_and_roll_out_as_torchrls_pool():
     # A step's results carry the envs' device, as torchrl's pool's do (its rollout's
     # has none: ours keeps the envs', as SerialEnv's does).
     assert [td.device for td in got[:4]] == [td.device for td in expected[:4]]
+
+
+def test_envs_whose_specs_differ_in_values_only_stack_densely_as_in_torchrls_pool():
+    """Action bounds of ±1 and ±2, stack="dense" (the default): built, reset and stepped.
+
+    zmqpool used to refuse env 1 ("spec mismatch ... high"): a dense stack
+    needs the same keys, shapes and dtypes, not the same bounds.
+    """
+    makers = [functools.partial(WideActionEnv, env_id=i) for i in range(2)]
+
+    def run(p):
+        td = p.reset()
+        td["action"] = torch.full((2, 1), 0.5)
+        result = p.step(td.clone())
+        td["action"] = torch.full((2, 1), 1.5)  # within env 1's bounds only: not checked
+        later, root = p.step_and_maybe_reset(td)
+        return [result, later, root]
+
+    oracle = AsyncEnvPool(makers, backend="threading")
+    pool = ZMQAsyncEnvPool(makers, config=FAST)
+    try:
+        expected, got = run(oracle), run(pool)
+        assert_same_spec(oracle.full_action_spec, pool.full_action_spec, "full_action_spec")
+    finally:
+        oracle.close()
+        pool.close()
+    for name, want, have in zip(
+        ["step", "step_and_maybe_reset", "its root"], expected, got, strict=True
+    ):
+        assert_same_td(want, have, name)

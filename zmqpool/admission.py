@@ -7,9 +7,10 @@
   or its own back (:meth:`~zmqpool.roster.Roster.plan_remote`). Nothing that
   arrives on the local side is admitted for a remote slot, and no local
   identity is admitted from the remote side.
-- Specs must match: an env coming back must bring the specs it had; with a
-  dense stack, every env must bring the pool's specs (those of the first env
-  registered). A mismatch is refused with the first differing field. Each
+- Specs must match: an env coming back must bring the specs it had; a remote
+  slot the pool's ``remote_spec``; with a dense stack, every env the structure
+  of the pool's specs (those of the first env registered: keys, classes,
+  shapes, dtypes; bounds and category counts may differ, as in torchrl). A mismatch is refused with the first differing field. Each
   REGISTER's specs are decoded once, here.
 - An admitted worker is given a fresh token (every result must carry it)
   and a WELCOME with the timings it must share with the pool.
@@ -82,19 +83,32 @@ class ByteBudget:
         return True
 
 
-def first_difference(a: Any, b: Any, path: str = "specs") -> str | None:
-    """Where two plain-data trees first differ, as a readable path, or None."""
+#: Fields of a spec's data (``spec_to_data``) that hold values, not structure: the
+#: bounds, category counts, masks and examples that may differ between the envs of
+#: a dense stack (its shapes and dtypes are compared all the same).
+SPEC_VALUES = frozenset({"low", "high", "n", "nvec", "mask", "example_data"})
+
+
+def first_difference(
+    a: Any, b: Any, path: str = "specs", ignored: frozenset[str] = frozenset()
+) -> str | None:
+    """Where two plain-data trees first differ, as a readable path, or None.
+
+    Dict entries named in ``ignored`` are not compared (when present on both sides).
+    """
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             if key not in a or key not in b:
                 return f"{path}/{key} (present on one side only)"
-            found = first_difference(a[key], b[key], f"{path}/{key}")
+            if key in ignored:
+                continue
+            found = first_difference(a[key], b[key], f"{path}/{key}", ignored)
             if found:
                 return found
         return None
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = first_difference(x, y, f"{path}[{i}]")
+            found = first_difference(x, y, f"{path}[{i}]", ignored)
             if found:
                 return found
         return None
@@ -107,7 +121,7 @@ class Registrar:
     Args:
         roster, ledger, broker, config, liveness: the pool's.
         events: where it reports admissions and failed starts.
-        same_specs: every env must register the same specs (``stack="dense"``).
+        same_specs: every env must register specs of one structure (``stack="dense"``).
         remote_spec: the specs every remote worker must bring (an env's
             ``specs``), if the user gave them.
     """
@@ -344,14 +358,21 @@ class Registrar:
 
     def _compare(self, env: int | None, data: Any) -> None:
         """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
-        with a dense stack against the pool's (the local envs register first)."""
+        with a dense stack against the pool's (the local envs register first).
+
+        The last only in structure (keys, classes, shapes, dtypes): envs whose
+        bounds or category counts differ stack densely, as in torchrl's pool
+        and ``SerialEnv``.
+        """
+        ignored: frozenset[str] = frozenset()
         reference = None if env is None else self.roster.envs[env].spec_data
         if reference is None and (env is None or env in self._remote_set):
             reference = self.remote_spec_data
         if reference is None and self.same_specs:
             reference = next((e.spec_data for e in self.roster.envs if e.spec_data), None)
+            ignored = SPEC_VALUES
         if reference is not None:
-            where = first_difference(data, reference)
+            where = first_difference(data, reference, ignored=ignored)
             if where:
                 slot = "a new env" if env is None else f"env {env}"
                 raise RegistrationError(f"spec mismatch for {slot}: {where}")
