@@ -13,6 +13,7 @@ from torchrl.envs import AsyncEnvPool, StepCounter, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
 from tests.conftest import NUM_ENVS, action_for
+from zmqpool.testing import CountingEnv
 
 
 def env_ids(td) -> list[int]:
@@ -151,10 +152,15 @@ def test_min_get_above_in_flight_is_refused(pool, fresh):
         pool.async_step_recv(min_get=1, timeout=30)
 
 
-def test_set_seed_seeds_env_i_with_s_plus_i(pool):
-    pool.set_seed(100)
+def test_set_seed_seeds_along_serial_envs_chain(pool):
+    """Env 0 gets s, env i + 1 what env i's set_seed returned (remote envs too, in "mixed")."""
+    expected, seed = [], 100
+    for _ in range(NUM_ENVS):  # each a CountingEnv: EnvBase.set_seed's chain
+        expected.append(float(seed))
+        seed = CountingEnv().set_seed(seed)
+    assert pool.set_seed(100) == seed
     td = pool.reset()
-    assert td["observation"][:, 3].tolist() == [100.0, 101.0, 102.0, 103.0]
+    assert td["observation"][:, 3].tolist() == torch.tensor(expected).tolist()
 
 
 def test_bad_trainer_input_is_refused_before_sending(pool, fresh):
