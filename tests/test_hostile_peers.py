@@ -9,11 +9,16 @@ local env whose steps must keep coming back:
 - a 1 KB header nested a thousand deep: formatting it into an error raised
   ``RecursionError`` out of the user's recv;
 - complete messages queued by libzmq between two calls of the trainer: a
-  thousand a connection (RCVHWM's default) of 256 KiB each.
+  thousand a connection (RCVHWM's default) of 256 KiB each;
+- 256 KiB result headers of empty arrays from a key that holds no env,
+  unpacked before their sender was checked: 200 steps of a local env took
+  17-22 s under 40 a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import hostile
@@ -149,3 +154,49 @@ def test_libzmq_queues_few_messages_of_a_remote_connection(tmp_path, key_dir, co
         honest.close()
     assert held < 130 * MB, f"the trainer took in {held / MB:.0f} MB from 4 connections"
     assert answered(rounds) == 5
+
+
+def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
+    tmp_path, key_dir, context
+):
+    """40 a second, each 256 KiB of empty msgpack arrays naming env 0 with a made-up token."""
+    port = free_port_base(HOST)
+    with remote_victim(
+        tmp_path, key_dir, port, remote_envs=1, local=[{"env_id": 0}], remote_spec={}
+    ) as victim:
+        honest = ScriptedWorker(
+            context, victim.hello, HOST, port, client_keys(key_dir, 0), b"honest-remote"
+        )
+        welcome = honest.register(timeout_s=60, until=lambda: victim.seen("construct_failed"))
+        assert welcome is not None, honest.refusals[-2:]
+        victim.wait("constructed", timeout_s=60)
+        hello = victim.hello
+        count = (256 << 10) - 200
+        fields = [hello.version, hello.commands["RESULT"], 0, 0, b"t" * 16, [], {"j": []}]
+        junk = msgpack.packb(fields, use_bin_type=True)[:-1]  # the body's list, swapped for
+        junk += b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count  # `count` empty arrays
+        push = context.socket(zmq.PUSH)
+        push.linger = 0
+        push.curve_publickey, push.curve_secretkey, push.curve_serverkey = client_keys(key_dir, 1)
+        push.connect(f"tcp://{HOST}:{port + 1}")
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.wait(1 / 40):
+                with contextlib.suppress(zmq.Again):
+                    push.send(junk, zmq.NOBLOCK)
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            started = time.monotonic()
+            rounds = steps_of_env_0(victim, rounds=200, timeout_s=30, within_s=90)
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            thread.join(5)
+            push.close(0)
+            honest.close()
+        assert "wrong token for env" in victim.log()  # the flood reached the pool
+    assert answered(rounds) == 200
+    assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"

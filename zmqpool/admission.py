@@ -10,8 +10,9 @@
 - Specs must match: an env coming back must bring the specs it had; a remote
   slot the pool's ``remote_spec``; with a dense stack, every env the structure
   of the pool's specs (those of the first env registered: keys, classes,
-  shapes, dtypes; bounds and category counts may differ, as in torchrl). A mismatch is refused with the first differing field. Each
-  REGISTER's specs are decoded once, here.
+  shapes, dtypes; bounds and category counts may differ, as in torchrl). A
+  mismatch is refused with the first differing field. Each REGISTER's specs
+  are decoded once, here.
 - An admitted worker is given a fresh token (every result must carry it)
   and a WELCOME with the timings it must share with the pool.
 """

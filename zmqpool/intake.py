@@ -24,7 +24,7 @@ from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind
 from zmqpool.roster import EnvRecord, Roster
 from zmqpool.state import Ledger, Pending, Reply
-from zmqpool.wire import Command, Header, results_rows, split_batch
+from zmqpool.wire import Command, Header, peek_sender, results_rows, split_batch
 
 log = logging.getLogger("zmqpool")
 
@@ -48,7 +48,11 @@ class Intake:
             self.ledger.drop("a message nested too deep")
 
     def _on_message(self, frames: list[zmq.Frame], remote: bool) -> None:
-        header = self._header(frames[0].buffer)
+        data = frames[0].buffer
+        large = len(data) > MAX_UNCHECKED_HEADER_BYTES
+        if large and not self._from_a_worker(data, frames[0], remote):
+            return
+        header = self._header(data)
         if header is None:
             return
         command = header.command
@@ -72,18 +76,37 @@ class Intake:
             self.ledger.drop(f"malformed result header: {type(err).__name__}")
             return None
 
+    def _from_a_worker(self, data: Any, first: zmq.Frame, remote: bool) -> bool:
+        """Whether a large header names an env and token its sender may use (else dropped).
+
+        Read before the header is unpacked: a header is up to one Python object
+        per byte, and a key that holds no env (or a stranger's token) would
+        make the trainer build them for nothing, as fast as it can send.
+        """
+        peeked = peek_sender(data)
+        if peeked is None:
+            self.ledger.drop("malformed result header: ProtocolError")
+            return False
+        env, token = peeked
+        return self._sender_of(env, token, remote, first) is not None
+
     def _sender(self, header: Header, remote: bool, first: zmq.Frame | None) -> EnvRecord | None:
         """The record of the env ``header`` is about, if its worker sent it; else None (dropped).
 
         ``first``: the message's first frame, whose CURVE key is the sender's
         (None inside a batch, whose own first frame was checked).
         """
-        if not 0 <= header.env < len(self.roster.envs):
+        return self._sender_of(header.env, header.token, remote, first)
+
+    def _sender_of(
+        self, env: int, token: bytes, remote: bool, first: zmq.Frame | None
+    ) -> EnvRecord | None:
+        if not 0 <= env < len(self.roster.envs):
             self.ledger.drop("env index out of range")
             return None
-        record = self.roster.envs[header.env]
+        record = self.roster.envs[env]
         link = record.link
-        if link is None or header.token != link.token or link.remote != remote:
+        if link is None or token != link.token or link.remote != remote:
             self.ledger.drop("wrong token for env")
             return None
         if remote and first is not None and peer_key(first) != link.key:
@@ -191,6 +214,9 @@ class Intake:
 
 #: What a batch of replies may carry.
 _BATCHABLE = (Command.RESULT, Command.ERROR, Command.RESULTS)
+#: Headers up to this size are unpacked at once (a cheap step's is under 1 KiB); a
+#: larger one's sender is checked first (:meth:`Intake._from_a_worker`).
+MAX_UNCHECKED_HEADER_BYTES = 4 << 10
 
 
 def _checked_reply(

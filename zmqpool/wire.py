@@ -374,6 +374,29 @@ def peek_command(data: bytes | memoryview) -> Command | None:
     return _COMMANDS.get(command) if type(command) is int else None
 
 
+def peek_sender(data: bytes | memoryview) -> tuple[int, bytes] | None:
+    """A header's env and token, read without unpacking its layouts and body (None: not a header).
+
+    What the results socket reads first of a large header, to drop one that
+    its env's worker did not send before its body becomes objects.
+    """
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) or 1)
+    try:
+        unpacker.feed(data)
+        if unpacker.read_array_header() != 7:
+            return None
+        unpacker.skip()  # the version
+        unpacker.skip()  # the command
+        env = unpacker.unpack()
+        unpacker.skip()  # the sequence number
+        token = unpacker.unpack()
+    except Exception:  # msgpack raises many types; all mean "not a header"
+        return None
+    if type(env) is not int or type(token) is not bytes:
+        return None
+    return env, token
+
+
 #: Command by value: a dict lookup is a fraction of ``Command(value)``'s cost.
 _COMMANDS: dict[int, Command] = {command.value: command for command in Command}
 
