@@ -24,10 +24,11 @@ import time
 import hostile
 import msgpack
 import zmq
-from hostile import ScriptedWorker, Victim, client_keys
+from hostile import Peer, ScriptedWorker, Victim, client_keys
 
 from tests.netns import free_port_base
 from tests.test_network_hardening import HOST, MB, remote_victim
+from zmqpool.admission import REGISTER_BURST, REGISTERS_PER_S
 
 
 def steps_of_env_0(victim: Victim, rounds: int, timeout_s: float, within_s: float = 60) -> list:
@@ -200,3 +201,29 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
         assert "wrong token for env" in victim.log()  # the flood reached the pool
     assert answered(rounds) == 200
     assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"
+
+
+def test_a_key_gets_a_bounded_number_of_registrations_read(tmp_path, key_dir, context):
+    """1,000 small malformed REGISTERs from one key: most are dropped unread, none refused twice.
+
+    Each one read costs the trainer its checks, a REFUSE and a log line (a
+    flood of them made 200 local steps take 6.4 s, against 0.2 s); a key
+    gets ``REGISTER_BURST`` at once and ``REGISTERS_PER_S`` after that.
+    """
+    port = free_port_base(HOST)
+    with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
+        victim.wait("constructed", timeout_s=60)
+        peer = Peer(context, f"tcp://{HOST}:{port}", curve=client_keys(key_dir, 1), identity=b"f")
+        started = time.monotonic()
+        malformed = victim.hello.header("REGISTER", {"reg": {}})
+        for _ in range(1000):
+            peer.send(malformed)
+        rounds = steps_of_env_0(victim, rounds=50, timeout_s=10)  # the pool reads meanwhile
+        refusals = []
+        while (frame := peer.reply(1.0)) is not None:
+            refusals.append(frame)
+        elapsed = time.monotonic() - started
+        peer.close()
+        assert "REGISTERs from one key beyond its rate" in victim.log()
+    assert answered(rounds) == 50
+    assert 0 < len(refusals) <= REGISTER_BURST + REGISTERS_PER_S * elapsed, (len(refusals), elapsed)

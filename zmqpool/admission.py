@@ -59,6 +59,11 @@ _LARGE_CONTROL = (Command.REGISTER, Command.FAILED)
 #: at once: 100 workers sharing a key, each registering 40 KB of specs, start at once.
 LARGE_CONTROL_BYTES_PER_S = 1 << 20
 LARGE_CONTROL_BURST = 8 << 20
+#: REGISTERs of any size a remote key may have read per second, and at once: each
+#: costs the trainer its checks, a REFUSE and a log line, and a worker registers
+#: once a start (every 0.2-5 s while unanswered); 200 workers sharing a key start at once.
+REGISTERS_PER_S = 50
+REGISTER_BURST = 200
 
 
 class ByteBudget:
@@ -148,6 +153,7 @@ class Registrar:
         self.remote_spec = remote_spec
         self._remote_set = frozenset(roster.remote_indices)
         self._large_control_budget = ByteBudget(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
+        self._register_budget = ByteBudget(REGISTERS_PER_S, REGISTER_BURST)  # one a REGISTER
         self.revoked: set[str] = set()
         self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
@@ -182,6 +188,9 @@ class Registrar:
             return
         key = peer_key(frames[0]) if remote else None
         if header.command == Command.REGISTER:
+            if remote and not self._register_budget.take(key, 1):
+                self.ledger.drop("REGISTERs from one key beyond its rate")
+                return
             self._on_register(identity, key, header, remote)
         elif header.command == Command.HEARTBEAT:
             self._on_heartbeat(identity, key, remote)
