@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import signal
 import time
 
@@ -271,5 +272,49 @@ def test_a_step_that_kills_its_worker_kills_it_once_and_none_runs_twice():
         assert counts[:first_cut] == list(range(1, first_cut + 1))  # run once, in order
         assert all(truncated[first_cut:]) and not any(counts[first_cut:])
         assert pool.env_stats()[0]["restarts"] == 1
+    finally:
+        pool.close()
+
+
+def test_a_restart_that_cannot_open_a_file_is_tried_again():
+    """The trainer out of file descriptors (a hostile audit had a keyless peer hold them all).
+
+    Once a worker's death is seen, no new file may be opened (``RLIMIT_NOFILE``
+    at the lowest free descriptor): its restart fails with EMFILE. That
+    ``OSError`` used to escape the recv, costing the other env its result; now
+    the restart is tried again, with backoff, and succeeds once files can be
+    opened.
+    """
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, restart_backoff_s=0.5)
+    pool = ZMQAsyncEnvPool(
+        CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=config
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def step_env_1() -> None:
+        pool.async_step_send(actions([0.5]), env_index=[1])
+        assert ids(pool.async_step_recv(min_get=1, timeout=30)) == [1]
+
+    def until_cause(text: str) -> None:
+        deadline = time.monotonic() + 30
+        while text not in (pool.env_stats()[0]["last_restart_cause"] or ""):
+            assert time.monotonic() < deadline, f"env 0's cause never read {text!r}"
+            step_env_1()
+
+    try:
+        pool.reset()
+        victim = pool.worker_pid(0)
+        os.kill(victim, signal.SIGKILL)
+        until_cause("SIGKILL")  # seen: its restart is due in restart_backoff_s
+        lowest_free = os.open(os.devnull, os.O_RDONLY)  # a new file takes the lowest free
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # none below it
+        try:
+            until_cause("could not start")  # env 1's results come back meanwhile
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        pool.async_step_send(actions([0.5]), env_index=[0])
+        out = pool.async_step_recv(min_get=1, timeout=60)
+        assert ids(out) == [0] and pool.worker_pid(0) not in (None, victim)
     finally:
         pool.close()

@@ -411,6 +411,11 @@ class Roster:
             if env.holder is not None and env.holder.local_index is not None:
                 env.holder.phase = WorkerPhase.LOST
 
+    def note_cause(self, record: WorkerRecord, cause: str) -> None:
+        """What now stands in the way of ``record``'s envs (``env_stats``' last restart cause)."""
+        for index in record.envs:
+            self.envs[index].last_restart_cause = cause
+
     def _unlink(self, record: WorkerRecord, cause: str) -> None:
         """``record``'s connection is gone: its envs wait (restart counted, with its cause)."""
         record.link = None

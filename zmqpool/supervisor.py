@@ -108,6 +108,22 @@ class Supervisor:
         log.warning("restarting the worker of envs %s: %s", list(record.envs), cause)
         self.roster.respawn_due(record, decision.restart_at)
 
+    def _spawn_failed(self, record: WorkerRecord, now: float, err: OSError) -> None:
+        """A restart that could not start its process: counted as a death, tried again.
+
+        Raised from the recv, the error (EMFILE when a peer holds the trainer's
+        file descriptors) would cost the other envs that recv's results, and
+        this env its restart.
+        """
+        cause = f"its restart could not start a process: {type(err).__name__}: {err}"
+        self.roster.note_cause(record, cause)
+        decision = self.policy.on_death(record.identity, now)
+        if decision.crash_loop:
+            self._give_up(record.envs, cause, "", decision.deaths_in_window)
+            return
+        log.warning("envs %s: %s; trying again", list(record.envs), cause)
+        self.roster.respawn_due(record, decision.restart_at)
+
     def _give_up(self, envs: tuple[int, ...], cause: str, traceback: str, deaths: int) -> None:
         message = (
             f"crash loop: {deaths} deaths within {self.config.restart_window_s} s "
@@ -162,6 +178,8 @@ class Supervisor:
                 self.spawn(record)
             except ForkServerStarting as wait:  # a new zygote imports torch: not us
                 self.roster.respawn_due(record, now + wait.retry_after_s)
+            except OSError as err:  # out of file descriptors, processes, memory: try again
+                self._spawn_failed(record, now, err)
         self._check_deadlines(now)
         for identity in self.liveness.silent(now):
             assert isinstance(identity, bytes)
