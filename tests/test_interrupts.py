@@ -159,20 +159,29 @@ def test_outside_a_pool_call_a_ctrl_c_is_raised_at_once(interrupted_pool):
 def test_a_sync_call_interrupted_anywhere_leaves_the_next_one_working(interrupted_pool):
     """As with ``SerialEnv``: after a Ctrl-C in ``step`` or ``reset``, the next call runs.
 
-    What the interrupted call left in flight is dropped by the next sync call
-    (before, it raised "Some envs are still processing" for good).
+    A sync call holds the interrupt to its end, waits included, so it leaves
+    nothing in flight; the next call, of the other kind, finds the pool idle
+    (a step interrupted in its wait used to leave every later sync call
+    refused, "Some envs are still processing").
     """
     pool, actions = interrupted_pool, TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS])
     interrupted = {"step": 0, "reset": 0}
+    pool.reset()
     for at in range(1, 400, 9):
-        for name, call in (("step", lambda: pool.step(actions.clone())), ("reset", pool.reset)):
-            with LineInterrupter(at):
-                try:
-                    call()
-                except KeyboardInterrupt:
-                    interrupted[name] += 1
-            result = call()
-            assert list(result["env_index"]) == list(range(NUM_ENVS))
+        with LineInterrupter(at):
+            try:
+                pool.step(actions.clone())
+            except KeyboardInterrupt:
+                interrupted["step"] += 1
+        after = pool.reset()  # the other kind: nothing of the step is left to take
+        assert after["observation"][:, :2].tolist() == [[0.0, 0.0], [1.0, 0.0]]
+        with LineInterrupter(at):
+            try:
+                pool.reset()
+            except KeyboardInterrupt:
+                interrupted["reset"] += 1
+        after = pool.step(actions.clone())["next"]  # one step from a reset, whichever ran
+        assert after["observation"][:, :2].tolist() == [[0.0, 1.0], [1.0, 1.0]]
     assert interrupted["step"] > 10 and interrupted["reset"] > 10, interrupted
 
 

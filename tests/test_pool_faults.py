@@ -150,3 +150,22 @@ def test_an_env_s_own_channel_answers_a_result_before_a_later_error(odd_pool):
     assert first["next", "observation"][:2].tolist() == [0.0, 1.0]
     with pytest.raises(EnvError, match="failed at step 2"):
         odd_pool.async_step_recv(env_index=RAISING, timeout=30)
+
+
+def test_an_input_too_large_to_send_is_answered_in_its_turn_on_an_env_s_own_channel(odd_pool):
+    """A slow step, then an input whose leaf is over its worker's frame limit (review finding).
+
+    The second cannot be sent: it is answered with an error at once. On the
+    env's own channel it used to overtake the first, whose result the second
+    recv then took; now it waits its turn.
+    """
+    td = odd_pool.reset()
+    own = td[SLOW].exclude("env_index")
+    own["action"] = torch.full((1,), 0.5)
+    odd_pool.async_step_send(own.clone(), env_index=SLOW)  # 0.4 s
+    too_large = own.clone().set("junk", torch.zeros(4 << 20, dtype=torch.uint8))
+    odd_pool.async_step_send(too_large, env_index=SLOW)
+    first = odd_pool.async_step_recv(env_index=SLOW, timeout=30)
+    assert first["next", "observation"][:2].tolist() == [1.0, 1.0]
+    with pytest.raises(EnvError, match="frame"):
+        odd_pool.async_step_recv(env_index=SLOW, timeout=30)

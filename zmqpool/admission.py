@@ -66,8 +66,8 @@ REGISTERS_PER_S = 50
 REGISTER_BURST = 200
 
 
-class ByteBudget:
-    """A token bucket of bytes per peer: ``rate`` a second, at most ``burst`` saved up.
+class TokenBucket:
+    """A token bucket per peer (bytes, or messages): ``rate`` a second, at most ``burst`` saved.
 
     Peers are CURVE keys the ZAP handler let in, so the buckets are as many as
     the authorized keys (at most).
@@ -152,8 +152,8 @@ class Registrar:
         self.same_specs = same_specs
         self.remote_spec = remote_spec
         self._remote_set = frozenset(roster.remote_indices)
-        self._large_control_budget = ByteBudget(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
-        self._register_budget = ByteBudget(REGISTERS_PER_S, REGISTER_BURST)  # one a REGISTER
+        self._large_control_budget = TokenBucket(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
+        self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
         self.revoked: set[str] = set()
         self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
@@ -370,17 +370,18 @@ class Registrar:
         """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
         with a dense stack against the pool's (the local envs register first).
 
-        The last only in structure (keys, classes, shapes, dtypes): envs whose
-        bounds or category counts differ stack densely, as in torchrl's pool
-        and ``SerialEnv``.
+        The last, for a local env, only in structure (keys, classes, shapes,
+        dtypes): envs whose bounds or category counts differ stack densely, as
+        in torchrl's pool and ``SerialEnv``. A remote env's are held exactly.
         """
         ignored: frozenset[str] = frozenset()
+        remote = env is None or env in self._remote_set
         reference = None if env is None else self.roster.envs[env].spec_data
-        if reference is None and (env is None or env in self._remote_set):
+        if reference is None and remote:
             reference = self.remote_spec_data
         if reference is None and self.same_specs:
             reference = next((e.spec_data for e in self.roster.envs if e.spec_data), None)
-            ignored = SPEC_VALUES
+            ignored = frozenset() if remote else SPEC_VALUES  # a remote env's are exact
         if reference is not None:
             where = first_difference(data, reference, ignored=ignored)
             if where:

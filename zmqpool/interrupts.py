@@ -9,7 +9,8 @@ was there, which it calls) holds the interrupt back, and raises it where
 nothing is half done:
 
 - before the call waits on its sockets or on another thread
-  (:func:`wait_begins`), or while it waits;
+  (:func:`wait_begins`), or while it waits, unless the call is held whole
+  (:data:`WHOLE`: the sync calls, whose waits would leave requests behind);
 - when the call ends; a recv then puts back the replies it took, for the next
   recv (:meth:`~zmqpool.pool.ZMQAsyncEnvPool._results`).
 
@@ -52,6 +53,8 @@ class InterruptState:
     waiting = False
     #: The interrupt held back: the handler to call, and its arguments.
     held: tuple[Handler, int, FrameType | None] | None = None
+    #: Pool calls the main thread is in that are held whole, waits and all (sync calls).
+    whole = 0
     #: Pools open in this process: the handler is put back when none is left.
     pools = 0
 
@@ -88,6 +91,7 @@ def hold() -> bool:
         _install()  # not yet, or the caller set a handler of its own since: wrap that one
     if state.depth == 0:
         state.waiting = False
+        state.whole = 0  # left raised by a call that an interrupt ended: it has ended
     state.depth += 1
     return True
 
@@ -126,11 +130,32 @@ def wait_begins() -> bool:
     ``finally`` (a store, not a call, so that no handler runs before it).
     """
     state = STATE
-    if _get_ident() != _MAIN or not state.depth or state.waiting:
+    if _get_ident() != _MAIN or not state.depth or state.waiting or state.whole:
         return False
     raise_held()
     state.waiting = True
     return True
+
+
+class Whole:
+    """A call held whole: a Ctrl-C waits for its end, through its waits too (the sync calls).
+
+    A sync ``step``, ``reset`` or ``set_seed`` interrupted in a wait would
+    leave its requests in flight, and the next sync call would find them; held
+    to its end, it is raised once every env answered (a second Ctrl-C still
+    goes through at once). Use as ``with WHOLE:`` inside a pool call.
+    """
+
+    def __enter__(self) -> None:
+        if _get_ident() == _MAIN:
+            STATE.whole += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if _get_ident() == _MAIN:
+            STATE.whole -= 1
+
+
+WHOLE = Whole()
 
 
 def _install() -> None:

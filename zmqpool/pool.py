@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs import AsyncEnvPool, EnvBase
 
+from zmqpool import interrupts
 from zmqpool.arguments import (
     check_network_args,
     is_single_maker,
@@ -331,13 +332,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     @_exclusive
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
-        self._settle_interrupted(Kind.RESET)
-        with self._settled_on_error(Kind.RESET):
+        self._settle_interrupted()
+        with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
             return super()._reset(tensordict, **kwargs)
 
     def _recv_every_env(self, kind: Kind, count: int) -> list[Reply]:
-        """A sync call's recv of the ``count`` envs it sent to (see :meth:`_settled_on_error`)."""
-        with self._settled_on_error(kind):
+        """A sync call's recv of the ``count`` envs it sent to (see :meth:`_settled_on_error`).
+
+        Held whole: a Ctrl-C is raised once every env answered (``interrupts.WHOLE``).
+        """
+        with self._settled_on_error(kind), interrupts.WHOLE:
             return self._recv(kind, count, None, None, None)
 
     @contextlib.contextmanager
@@ -358,17 +362,23 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             self._interrupted_sync[kind] = self._awaiting(kind)
             raise
 
-    def _settle_interrupted(self, kind: Kind) -> None:
-        """Drop what a sync call interrupted in its wait left in flight, as ``SerialEnv`` has none.
+    def _settle_interrupted(self) -> None:
+        """Drop what sync calls cut short left in flight, as ``SerialEnv`` has none.
 
-        Only if nothing was sent or taken on that channel since: an async
-        request the caller made meanwhile is theirs, and is refused as before.
+        A sync call holds a Ctrl-C to its end (``interrupts.WHOLE``); a second
+        one goes through at once and may leave its requests in flight. Dropped
+        by the next sync call, whatever its kind, but only if nothing was sent
+        or taken on that channel since: an async request the caller made
+        meanwhile is theirs, and is refused as before.
         """
-        left = self._interrupted_sync.pop(kind, None)
-        if left and left == self._awaiting(kind):
-            log.warning("dropping the results of the %s call interrupted before them", kind.value)
-            with self._runtime.gate:
-                self._settle(kind)
+        for kind in list(self._interrupted_sync):
+            left = self._interrupted_sync.pop(kind)
+            if left and left == self._awaiting(kind):
+                log.warning(
+                    "dropping the results of the %s call interrupted before them", kind.value
+                )
+                with self._runtime.gate:
+                    self._settle(kind)
 
     def _settle(self, kind: Kind) -> None:
         """Take (and drop) what the batch channel of ``kind`` still awaits, errors included."""
@@ -427,13 +437,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
-        self._settle_interrupted(Kind.RESET)
-        with self._settled_on_error(Kind.RESET):
+        self._settle_interrupted()
+        with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
             return super().reset(tensordict, **kwargs)
 
     def _check_idle(self, kind: Kind) -> None:
         self._check_open()
-        self._settle_interrupted(kind)
+        self._settle_interrupted()
         if self._awaiting(kind) > 0:
             raise RuntimeError("Some envs are still processing a step.")
 
@@ -637,7 +647,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if self._busy:
             raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
-        return self._runtime.set_seed(seed, static_seed, self._raise_taken)
+        with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
+            return self._runtime.set_seed(seed, static_seed, self._raise_taken)
 
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
         """torchrl's batch figures (``batches``, ``items``, ``avg_batch_size``, ...).

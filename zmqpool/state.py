@@ -75,6 +75,8 @@ class Pending:
     body: dict[str, Any] | None
     sent_at: float
     synth: bool = False  # sent as a reset to a restarted env: answer with a truncation
+    #: Never sent (it cannot be): the error it is answered with, in its turn.
+    held_error: Exception | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,8 +171,16 @@ class Ledger:
                 self.deliver(Reply(env, slot.in_flight.popleft(), error=error))
 
     def answer_now(self, env: int, pending: Pending, error: Exception) -> None:
-        """Answer a request in flight with ``error`` without sending it (it cannot be sent)."""
-        self.slots[env].in_flight.remove(pending)
+        """Answer a request in flight with ``error`` without sending it (it cannot be sent).
+
+        On an env's own channel, requests are answered in order: behind others
+        still in flight, it waits for theirs (:meth:`deliver` then gives it).
+        """
+        in_flight = self.slots[env].in_flight
+        if pending.channel[1] is not None and in_flight[0] is not pending:
+            pending.held_error = error
+            return
+        in_flight.remove(pending)
         self.deliver(Reply(env, pending, error=error))
 
     def requeue(self, env: int, pending: Pending) -> None:
@@ -209,6 +219,10 @@ class Ledger:
             self.ready[pending.channel] = [reply]
         else:
             ready.append(reply)
+        in_flight = self.slots[reply.env].in_flight
+        if in_flight and in_flight[0].held_error is not None:  # its turn has come
+            held = in_flight.popleft()
+            self.deliver(Reply(reply.env, held, error=held.held_error), now)
 
     def take(self, channel: Channel, max_get: int | None) -> list[Reply]:
         """Up to ``max_get`` ready replies of a channel, oldest first."""

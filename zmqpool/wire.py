@@ -228,7 +228,10 @@ if TYPE_CHECKING:
 #: instead of a reply libzmq would drop, request and all; an ERROR may name the
 #: builtin exception the env raised (``base``), which a version-6 pool refuses;
 #: REJOIN asks a remote worker the pool set aside (a hang) to register again.
-PROTOCOL_VERSION = 7
+#: 8: SEED carries ``static`` and its reply the seed the env returned
+#: (``next_seed``): a version-7 worker would reply with nothing, and the pool
+#: seed the envs after it with None.
+PROTOCOL_VERSION = 8
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
