@@ -238,6 +238,30 @@ def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(remote_h
                 stop(process)
 
 
+def test_a_second_worker_of_a_key_with_no_slot_left_is_refused_after_waiting(remote_host, key_dir):
+    """Its key's live worker holds the only slot: it may be its replacement, so it waits,
+    then, the old one still answering after two heartbeat timeouts, it is refused "no room"."""
+    port = free_port_base(remote_host.pool_ip)
+    first = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = remote_pool(remote_host, port, key_dir)
+    second = None
+    try:
+        pool.reset()
+        second = start_remote_worker(remote_host, port, key_dir, key=0, extra=FAST_BEATS)
+        deadline = time.monotonic() + 60
+        while second.poll() is None:  # the pool answers registrations while it receives
+            assert time.monotonic() < deadline, "the second worker was never refused"
+            step(pool, [0])
+            assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 0] == 0
+        assert "no room" in second.stderr.read()
+        assert pool.env_stats()[0]["restarts"] == 0  # the first one kept its slot throughout
+    finally:
+        pool.close()
+        for process in (first, second):
+            if process is not None:
+                stop(process)
+
+
 def test_a_remote_env_that_hung_once_takes_its_slot_back_when_it_wakes(remote_host, key_dir):
     # step_timeout_s sets the worker aside (its token void) and the pool asks it to
     # register again (REJOIN): once its step ends it does, and takes its slot back.

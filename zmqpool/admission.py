@@ -64,6 +64,8 @@ LARGE_CONTROL_BURST = 8 << 20
 #: once a start (every 0.2-5 s while unanswered); 200 workers sharing a key start at once.
 REGISTERS_PER_S = 50
 REGISTER_BURST = 200
+#: Newcomers waiting for a slot their key's live worker holds, remembered at most.
+_MAX_WAITING = 1024
 
 
 class TokenBucket:
@@ -154,6 +156,8 @@ class Registrar:
         self._remote_set = frozenset(roster.remote_indices)
         self._large_control_budget = TokenBucket(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
         self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
+        #: When a REGISTER that found no room first waited, by identity.
+        self._waiting_since: dict[bytes, float] = {}
         self.revoked: set[str] = set()
         self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
@@ -258,6 +262,21 @@ class Registrar:
         if record is not None and not record.remote:
             self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
 
+    def _may_be_a_replacement(self, identity: bytes, key: str | None, count: int) -> bool:
+        """Whether a REGISTER that found no room should wait for its key's live worker.
+
+        For at most two heartbeat timeouts from its first try: by then a worker
+        it replaces has been found silent; one still live is its key's other
+        worker, and the newcomer is refused "no room" (a pool full for its key).
+        """
+        if not self.roster.held_live(key, count):
+            return False
+        now = time.monotonic()
+        if len(self._waiting_since) > _MAX_WAITING and identity not in self._waiting_since:
+            self._waiting_since.clear()  # identities a peer chose: never an unbounded table
+        first = self._waiting_since.setdefault(identity, now)
+        return now - first < 2 * self.config.heartbeat_timeout_s
+
     def _tell_setup(self, identity: bytes, reason: str, remote: bool) -> None:
         """A worker this pool started and refused: construction raises, saying why.
 
@@ -280,18 +299,19 @@ class Registrar:
             reg = Register.from_body(header.body)
             record, specs = self._admit(identity, key, reg, remote)
         except NoRoomError as err:
-            if not self.roster.held_live(key, len(reg.specs)):
-                self._refuse(identity, str(err), remote)
+            if self._may_be_a_replacement(identity, key, len(reg.specs)):
+                # Its key's live worker of as many slots is likely the one it replaces,
+                # gone while the pool was not listening: no answer, so it asks again
+                # (with backoff) and gets the slots once that worker is found silent.
+                self.ledger.drop("a REGISTER for slots its key's live worker holds: it waits")
                 return
-            # Its key's live worker of as many slots is likely the one it replaces, gone
-            # while the pool was not listening: no answer, so it asks again (with backoff)
-            # and gets the slots once that worker is found silent and they are vacated.
-            self.ledger.drop("a REGISTER for slots its key's live worker holds: it waits")
+            self._refuse(identity, str(err), remote)
             return
         except (RegistrationError, ProtocolError) as err:
             self._refuse(identity, str(err), remote)
             self._tell_setup(identity, str(err), remote)
             return
+        self._waiting_since.pop(identity, None)
         if record is None:  # a duplicate: our WELCOME was lost; say it again
             known = self.roster.worker(identity)
             if known is not None and known.link is not None:
