@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -234,7 +235,7 @@ class Ledger:
 
     def give_back(self, channel: Channel, replies: list[Reply]) -> None:
         """Replies a recv took but did not return (interrupted): ready again, first in line."""
-        ready = sorted(replies, key=_ARRIVAL)
+        ready = sorted(replies, key=_BY_ARRIVAL)
         ready.extend(self.ready.get(channel, ()))
         self.ready[channel] = ready
         self._awaiting[channel] = self._awaiting.get(channel, 0) + len(replies)
@@ -266,5 +267,4 @@ class Ledger:
         return self._awaiting.get(channel, 0)
 
 
-def _ARRIVAL(reply: Reply) -> float:
-    return reply.ready_at
+_BY_ARRIVAL = operator.attrgetter("ready_at")
