@@ -127,7 +127,9 @@ def wait_begins() -> bool:
 
     Returns whether it opened the wait (the main thread, in a call, not waiting
     already); if so, the caller ends it with ``STATE.waiting = False`` in a
-    ``finally`` (a store, not a call, so that no handler runs before it).
+    ``finally`` (a store, not a call: a call is where a pending handler may
+    run). An interrupt raised between this return and the caller's ``try``
+    leaves ``waiting`` set; the next outermost :func:`hold` clears it.
     """
     state = STATE
     if _get_ident() != _MAIN or not state.depth or state.waiting or state.whole:
