@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import hostile
 import msgpack
@@ -40,6 +41,25 @@ def steps_of_env_0(victim: Victim, rounds: int, timeout_s: float, within_s: floa
     """
     victim.command(f'step-envs {{"envs": [0], "timeout": {timeout_s}, "rounds": {rounds}}}')
     return victim.wait("stepped_envs", timeout_s=within_s)["rounds"]
+
+
+@contextlib.contextmanager
+def victim_with_a_remote_worker(tmp_path, key_dir, port: int, context) -> Iterator[Victim]:
+    """A victim with a local env 0 and a remote slot (frame limit 256 KiB, as ``remote_spec``
+    sets it) held by an honest scripted worker of key 0; key 1 is the attacker's."""
+    with remote_victim(
+        tmp_path, key_dir, port, remote_envs=1, local=[{"env_id": 0}], remote_spec={}
+    ) as victim:
+        honest = ScriptedWorker(
+            context, victim.hello, HOST, port, client_keys(key_dir, 0), b"honest-remote"
+        )
+        try:
+            welcome = honest.register(timeout_s=60, until=lambda: victim.seen("construct_failed"))
+            assert welcome is not None, honest.refusals[-2:]
+            victim.wait("constructed", timeout_s=60)
+            yield victim
+        finally:
+            honest.close()
 
 
 def answered(rounds: list[dict]) -> int:
@@ -125,15 +145,7 @@ def test_libzmq_queues_few_messages_of_a_remote_connection(tmp_path, key_dir, co
     stops reading a connection at 64 (``REMOTE_RESULTS_QUEUE``): 64 MB here.
     """
     port = free_port_base(HOST)
-    with remote_victim(
-        tmp_path, key_dir, port, remote_envs=1, local=[{"env_id": 0}], remote_spec={}
-    ) as victim:
-        honest = ScriptedWorker(
-            context, victim.hello, HOST, port, client_keys(key_dir, 0), b"honest-remote"
-        )
-        welcome = honest.register(timeout_s=60, until=lambda: victim.seen("construct_failed"))
-        assert welcome is not None, honest.refusals[-2:]
-        victim.wait("constructed", timeout_s=60)
+    with victim_with_a_remote_worker(tmp_path, key_dir, port, context) as victim:
         assert answered(steps_of_env_0(victim, rounds=3, timeout_s=10)) == 3
         before = hostile.settled_rss(victim.pid)
         frame = b"\x00" * (256 << 10)  # the remote side's frame limit, as remote_spec gives it
@@ -149,12 +161,10 @@ def test_libzmq_queues_few_messages_of_a_remote_connection(tmp_path, key_dir, co
         for push in pushes:
             for _ in range(200):
                 push.send(frame, copy=False)
-        time.sleep(0)  # the sends are queued; what the victim takes in is measured below
         held = hostile.settled_rss(victim.pid, timeout_s=15) - before
         rounds = steps_of_env_0(victim, rounds=5, timeout_s=30)
         for push in pushes:
             push.close(0)
-        honest.close()
     assert held < 130 * MB, f"the trainer took in {held / MB:.0f} MB from 4 connections"
     assert answered(rounds) == 5
 
@@ -164,15 +174,7 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
 ):
     """40 a second, each 256 KiB of empty msgpack arrays naming env 0 with a made-up token."""
     port = free_port_base(HOST)
-    with remote_victim(
-        tmp_path, key_dir, port, remote_envs=1, local=[{"env_id": 0}], remote_spec={}
-    ) as victim:
-        honest = ScriptedWorker(
-            context, victim.hello, HOST, port, client_keys(key_dir, 0), b"honest-remote"
-        )
-        welcome = honest.register(timeout_s=60, until=lambda: victim.seen("construct_failed"))
-        assert welcome is not None, honest.refusals[-2:]
-        victim.wait("constructed", timeout_s=60)
+    with victim_with_a_remote_worker(tmp_path, key_dir, port, context) as victim:
         hello = victim.hello
         count = (256 << 10) - 200
         fields = [hello.version, hello.commands["RESULT"], 0, 0, b"t" * 16, [], {"j": []}]
@@ -199,7 +201,6 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
             stop.set()
             thread.join(5)
             push.close(0)
-            honest.close()
         assert "wrong token for env" in victim.log()  # the flood reached the pool
     assert answered(rounds) == 200
     assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"

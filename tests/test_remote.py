@@ -48,6 +48,15 @@ def remote_pool(host, port, keys, config=BEATS, **kwargs) -> ZMQAsyncEnvPool:
     )
 
 
+def kill_host(worker: subprocess.Popen) -> None:
+    """The whole host goes away: its supervisor and env processes, SIGKILLed."""
+    kids = ns_children(worker)
+    worker.kill()
+    for pid in kids:
+        os.kill(pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+
+
 def step(pool, envs, value=0.5):
     pool.async_step_send(
         TensorDict({"action": torch.full((len(envs), 1), value)}, [len(envs)]), env_index=envs
@@ -186,10 +195,7 @@ def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_hos
     try:
         pool.reset()
         step(pool, [0])
-        first.kill()  # the whole host goes away: supervisor and env process
-        for pid in ns_children(first):
-            os.kill(pid, signal.SIGKILL)
-        first.wait(timeout=10)
+        kill_host(first)
         replacement = start_remote_worker(remote_host, port, key_dir, key=1, extra=FAST_BEATS)
         out = pool.async_step_recv(min_get=1, timeout=90)
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
@@ -217,10 +223,7 @@ def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(remote_h
     try:
         pool.reset()
         step(pool, [0])
-        first.kill()  # the whole host goes away: supervisor and env process
-        for pid in ns_children(first):
-            os.kill(pid, signal.SIGKILL)
-        first.wait(timeout=10)
+        kill_host(first)
         replacement = start_remote_worker(remote_host, port, key_dir, key=0, extra=FAST_BEATS)
         deadline = time.monotonic() + 60  # the trainer is busy until its env process is up
         while not ns_children(replacement):

@@ -365,15 +365,8 @@ def peek_command(data: bytes | memoryview) -> Command | None:
     What a socket that takes only small messages from most peers reads
     first, to refuse a large one before its body becomes objects.
     """
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) or 1)
-    try:
-        unpacker.feed(data)
-        if unpacker.read_array_header() != 7:
-            return None
-        unpacker.skip()  # the version
-        command = unpacker.unpack()
-    except Exception:  # msgpack raises many types; all mean "not a header"
-        return None
+    fields = _peek_fields(data, 2)
+    command = None if fields is None else fields[1]
     return _COMMANDS.get(command) if type(command) is int else None
 
 
@@ -383,21 +376,22 @@ def peek_sender(data: bytes | memoryview) -> tuple[int, bytes] | None:
     What the results socket reads first of a large header, to drop one that
     its env's worker did not send before its body becomes objects.
     """
+    fields = _peek_fields(data, 5)
+    if fields is None or type(fields[2]) is not int or type(fields[4]) is not bytes:
+        return None
+    return fields[2], fields[4]
+
+
+def _peek_fields(data: bytes | memoryview, count: int) -> list[Any] | None:
+    """A header's first ``count`` fields (the small ones), or None if it is not a header."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) or 1)
     try:
         unpacker.feed(data)
         if unpacker.read_array_header() != 7:
             return None
-        unpacker.skip()  # the version
-        unpacker.skip()  # the command
-        env = unpacker.unpack()
-        unpacker.skip()  # the sequence number
-        token = unpacker.unpack()
+        return [unpacker.unpack() for _ in range(count)]
     except Exception:  # msgpack raises many types; all mean "not a header"
         return None
-    if type(env) is not int or type(token) is not bytes:
-        return None
-    return env, token
 
 
 #: Command by value: a dict lookup is a fraction of ``Command(value)``'s cost.
