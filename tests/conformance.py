@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
@@ -392,9 +393,10 @@ class OffTheWireEnv(ZMQCountingEnv):
     observation spec with ``declared`` (then the next root of a
     ``step_and_maybe_reset`` carries it too, and a reset an empty one);
     ``tuple_key``: a dict keyed by a tuple in ``"info"`` (msgpack packs it,
-    but it comes back keyed by a list); ``obs_elems``: an observation of that
-    many floats, for a spec of 4 (over the frame size the pool takes from this
-    worker).
+    but it comes back keyed by a list); ``numpy_info``: numpy scalars in
+    ``"info"`` (they cross as the Python numbers they hold); ``obs_elems``: an
+    observation of that many floats, for a spec of 4 (over the frame size the
+    pool takes from this worker).
     """
 
     def __init__(
@@ -403,10 +405,12 @@ class OffTheWireEnv(ZMQCountingEnv):
         text_bytes: int = 0,
         declared: bool = False,
         tuple_key: bool = False,
+        numpy_info: bool = False,
         obs_elems: int = 0,
     ) -> None:
         super().__init__(env_id=env_id)
         self.text_bytes, self.tuple_key, self.obs_elems = text_bytes, tuple_key, obs_elems
+        self.numpy_info = numpy_info
         self.declared = declared
         if declared:
             self.observation_spec["text"] = NonTensor(shape=(), example_data="")
@@ -423,6 +427,9 @@ class OffTheWireEnv(ZMQCountingEnv):
             out["text"] = NonTensorData("x" * self.text_bytes)
         if self.tuple_key:
             out["info"] = NonTensorData({(1, 2): self.count})
+        if self.numpy_info:
+            info = {"count": np.int64(self.count), "ok": np.bool_(True), "w": [np.float32(0.5)]}
+            out["info"] = NonTensorData(info)
         if self.obs_elems:
             out["observation"] = torch.zeros(self.obs_elems)
         return out

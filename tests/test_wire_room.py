@@ -22,7 +22,7 @@ from tests.conformance import OffTheWireEnv
 from tests.conftest import FAST
 from zmqpool import EnvError, ProtocolError, ZMQAsyncEnvPool
 
-PLAIN, BIG_TEXT, TUPLE_KEY, BIG_OBS, TWICE_TEXT = range(5)
+PLAIN, BIG_TEXT, TUPLE_KEY, BIG_OBS, TWICE_TEXT, NUMPY_INFO = range(6)
 RECV_S = 30.0
 
 
@@ -34,6 +34,7 @@ def pool():
         functools.partial(OffTheWireEnv, tuple_key=True),
         functools.partial(OffTheWireEnv, obs_elems=1 << 20),  # 4 MiB for a spec of 16 bytes
         functools.partial(OffTheWireEnv, text_bytes=600_000, declared=True),  # once, not twice
+        functools.partial(OffTheWireEnv, numpy_info=True),
     ]
     p = ZMQAsyncEnvPool(makers, envs_per_worker=len(makers), config=FAST, stack="lazy")
     for env in range(len(makers)):  # one at a time: env 4 declares one entry more
@@ -70,6 +71,12 @@ def test_an_output_that_cannot_cross_is_the_env_s_error(pool, env, says):
             step(pool, env)
         assert info.value.env_index == env and says in str(info.value)
     assert step(pool, PLAIN)["next", "observation"][0] == PLAIN
+
+
+def test_numpy_scalars_in_an_output_cross_as_python_numbers(pool):
+    info = step(pool, NUMPY_INFO)["next", "info"]
+    assert info == {"count": 1, "ok": True, "w": [0.5]}
+    assert [type(v) for v in (info["count"], info["ok"], info["w"][0])] == [int, bool, float]
 
 
 def test_step_and_maybe_reset_counts_its_two_parts(pool):

@@ -362,14 +362,53 @@ def _plain_and_size(value: Any, path: Key) -> tuple[Any, int]:
     """
     data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
     try:
-        packed = msgpack.packb(data, use_bin_type=True)
-        msgpack.unpackb(packed, raw=False, strict_map_key=False)
+        return data, _packed_size(data)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    # numpy scalars (an np.int32 a gymnasium info dict holds, say) cross as the
+    # Python numbers they hold, as a tuple crosses as a list: converted only
+    # once plain packing failed, so plain values pay nothing for it.
+    python = _numpy_scalars_as_python(data, 0)
+    try:
+        return python, _packed_size(python)
     except (TypeError, ValueError, OverflowError):
         raise ProtocolError(
             f"non-tensor value at {'/'.join(path)} of type {type(data).__name__} "
             "is not plain data (msgpack carries it there and back); it cannot cross the wire"
         ) from None
-    return data, len(packed)
+
+
+def _packed_size(data: Any) -> int:
+    """What ``data`` packs to; raises unless msgpack carries it there and back."""
+    packed = msgpack.packb(data, use_bin_type=True)
+    msgpack.unpackb(packed, raw=False, strict_map_key=False)
+    return len(packed)
+
+
+def _numpy_scalars_as_python(data: Any, depth: int) -> Any:
+    """``data`` with every numpy scalar in it as the Python value it holds.
+
+    Lists, tuples and dicts are walked, :data:`_MAX_PLAIN_DEPTH` levels at most
+    (a bound on the recursion, for data a caller made); anything else, and
+    anything deeper, is left as it is, for packing to accept or refuse.
+    """
+    if isinstance(data, np.generic):
+        return data.item()
+    if depth >= _MAX_PLAIN_DEPTH:
+        return data
+    if isinstance(data, list | tuple):
+        return [_numpy_scalars_as_python(item, depth + 1) for item in data]
+    if isinstance(data, dict):
+        return {  # a key stays hashable: a tuple key is left for packing to refuse
+            k.item() if isinstance(k, np.generic) else k: _numpy_scalars_as_python(v, depth + 1)
+            for k, v in data.items()
+        }
+    return data
+
+
+#: How deep :func:`_numpy_scalars_as_python` looks: deeper than any plain data
+#: an env exchanges, well inside Python's recursion limit.
+_MAX_PLAIN_DEPTH = 256
 
 
 def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:
