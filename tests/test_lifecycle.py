@@ -121,6 +121,47 @@ def test_unclosed_pool_cleans_up_and_does_not_block_exit(how, tmp_path):
     assert time.monotonic() - start < 110
 
 
+FORKED = textwrap.dedent(
+    """
+    import os, sys
+    from zmqpool import PoolClosedError, ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}],
+                           envs_per_worker=2)
+    action = pool.full_action_spec.zero()
+    pool.reset()
+    for child in ("exits", "closes", "uses"):
+        pid = os.fork()
+        if pid == 0:  # the child: exits as a script does, running its inherited finalizers
+            if child == "closes":
+                pool.close()
+            elif child == "uses":
+                try:
+                    pool.async_step_send(action, env_index=[0, 1])
+                except PoolClosedError as err:
+                    print(err, flush=True)
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        pool.async_step_send(action, env_index=[0, 1])
+        out = pool.async_step_recv(min_get=2, timeout=30.0)
+        print("parent stepped after a child that", child, sorted(out["env_index"]), flush=True)
+    pool.close()
+    """
+)
+
+
+def test_a_forked_child_leaves_its_parents_pool_alone(tmp_path):
+    # Its inherited finalizer used to stop the parent's workers and remove its
+    # sockets: the parent's next recv waited for workers that could not register.
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for child in ("exits", "closes", "uses"):
+        assert f"parent stepped after a child that {child} [0, 1]" in out.stdout
+    assert "a forked child cannot use it" in out.stdout
+
+
 def test_env_instances_maybe_dense_stack_and_worker_affinity():
     cpu = sorted(os.sched_getaffinity(0))[0]
     pool = ZMQAsyncEnvPool(

@@ -730,12 +730,20 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _check_open(self) -> None:
         if self._resources.closed:
-            raise PoolClosedError("the pool is closed")
+            raise PoolClosedError(self._closed_because())
+
+    def _closed_because(self) -> str:
+        if self._resources.inherited:
+            return (
+                "the pool belongs to the process this one was forked from: a forked "
+                "child cannot use it (make a pool in the child)"
+            )
+        return "the pool is closed"
 
     def shutdown(self) -> None:
         """Stop every worker (bounded by ``config.close_timeout_s``) and remove the sockets."""
         runtime = getattr(self, "_runtime", None)  # None: the pool failed to start
-        if runtime is None:
+        if runtime is None or self._resources.inherited:  # a forked child's gate may be held
             self._resources.release()
         else:
             with runtime.gate:  # not under another thread's feet: it sees the pool closed

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -101,13 +103,23 @@ class Resources:
         self.launcher: Launcher | None = None
         self.launchers: list[RemoteLauncher] = []  # remote launchers started (RayWorkers)
         self.closed = False
+        #: Set in a child forked from the pool's process: the workers, sockets and
+        #: directory are the parent's, and the child neither uses nor releases them.
+        self.inherited = False
+        _OPEN.add(self)
         interrupts.attach()  # a Ctrl-C in a pool call waits for a safe point
 
     def release(self, grace_s: float | None = None) -> None:
-        """Close workers (waiting ``grace_s``, default the config's close timeout), then kill."""
+        """Close workers (waiting ``grace_s``, default the config's close timeout), then kill.
+
+        In a forked child it does nothing: a child that exits (running its
+        inherited finalizers) or calls ``close()`` must not stop the parent's
+        workers nor remove its sockets.
+        """
         if self.closed:
             return
         self.closed = True
+        _OPEN.discard(self)
         try:
             processes = self.roster.processes() if self.roster is not None else []
             if self.broker is not None and self.roster is not None:
@@ -125,6 +137,24 @@ class Resources:
             remove_private_dir(self.directory)
         finally:
             interrupts.detach()
+
+
+#: Every pool's resources not yet released, for the fork hook below.
+_OPEN: weakref.WeakSet[Resources] = weakref.WeakSet()
+
+
+def _inherited_by_a_child() -> None:
+    """In a child just forked: every pool of the parent is closed here, and not released.
+
+    The child's copy of a ZeroMQ context is not usable, and the workers answer
+    the parent; calls in the child raise :class:`PoolClosedError` saying so.
+    """
+    for resources in list(_OPEN):
+        resources.inherited = resources.closed = True
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_inherited_by_a_child)
 
 
 @dataclasses.dataclass(frozen=True)
