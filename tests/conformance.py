@@ -444,3 +444,20 @@ class RaisingEnv(ZMQCountingEnv):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         raise getattr(builtins, self.error)(f"env {self.env_id} cannot step")
+
+
+class GlobalRandomEnv(ZMQCountingEnv):
+    """A CountingEnv whose reset draws from torch's and numpy's global generators.
+
+    ``observation[4:6]``: ``torch.rand(())`` and ``np.random.rand()``, drawn at
+    each reset (an unseeded env that samples its start state).
+    """
+
+    def __init__(self, env_id: int = 0) -> None:
+        super().__init__(env_id=env_id, obs_shape=(6,), obs_dtype=torch.float64)
+
+    def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
+        out = super()._reset(tensordict, **kwargs)
+        out["observation"][4] = torch.rand((), dtype=torch.float64)
+        out["observation"][5] = float(np.random.rand())
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import torch
 from tensordict import LazyStackedTensorDict
 
 import zmqpool.runtime
+from tests.conformance import GlobalRandomEnv
 from tests.conftest import FAST, pids_alive
 from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.endpoints import make_private_dir
@@ -160,6 +162,21 @@ def test_a_forked_child_leaves_its_parents_pool_alone(tmp_path):
     for child in ("exits", "closes", "uses"):
         assert f"parent stepped after a child that {child} [0, 1]" in out.stdout
     assert "a forked child cannot use it" in out.stdout
+
+
+def test_each_worker_and_each_restart_draws_its_own_random_numbers():
+    # Forked from one fork server, every worker began with its generators'
+    # state, and a restarted worker replayed its first life's draws.
+    pool = ZMQAsyncEnvPool(GlobalRandomEnv, create_env_kwargs=[{}, {}], config=FAST)
+    try:
+        draws = pool.reset()["observation"][:, 4:6]
+        assert not torch.equal(draws[0], draws[1])  # torch's draws and numpy's both
+        assert (draws[0] != draws[1]).all()
+        os.kill(worker_pids(pool)[0], signal.SIGKILL)
+        again = pool.reset()["observation"][:, 4:6]  # env 0's first reset of its new life
+        assert (again[0] != draws[0]).all()
+    finally:
+        pool.close()
 
 
 def test_env_instances_maybe_dense_stack_and_worker_affinity():

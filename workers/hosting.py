@@ -11,10 +11,12 @@ import contextlib
 import dataclasses
 import importlib
 import os
+import random
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 from torchrl.data import Composite
@@ -297,6 +299,20 @@ class EnvRecipe:
         return env
 
 
+def fresh_random_state() -> None:
+    """Seed torch's, numpy's and Python's global generators from the OS.
+
+    A worker is forked (from the fork server, or a remote host's supervisor),
+    and a fork copies its parent's generators: unseeded envs of every worker,
+    and an env after each restart, drew the same numbers. Each process starts
+    its own stream instead, as a fresh interpreter (or torchrl's pools) would;
+    ``set_seed`` seeds the envs after this, as before.
+    """
+    torch.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    np.random.seed(np.frombuffer(os.urandom(16), dtype=np.uint32))
+    random.seed(os.urandom(16))
+
+
 def recipe_from_name(name: str, kwargs: Mapping[str, Any]) -> EnvRecipe:
     """An env recipe from an importable ``package.module:callable`` name."""
     module_name, sep, attr = name.partition(":")
@@ -323,6 +339,7 @@ class EnvHost:
         ``torch_threads``: see :func:`limit_torch_threads` (set before any env is built).
         """
         limit_torch_threads(torch_threads)
+        fresh_random_state()
         envs = {}
         for index, recipe in zip(indices, recipes, strict=True):
             try:
