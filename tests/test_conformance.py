@@ -1039,6 +1039,38 @@ class SameCallsOnBoth:
         o, z = pair.both(run)
         self.same(o, z, f"rollout(8, break_when_any_done={break_when_any_done})")
 
+    # Partial resets: torchrl's pool sends the whole batch, mask and all, to every env,
+    # and an env that ignores the mask (most unbatched envs; not torchrl's mock envs)
+    # is reset mid-episode with no done flag; gymnasium's raises. SerialEnv, the
+    # reference here, resets the envs the "_reset" mask selects.
+
+    @pytest.mark.parametrize("selected", ["first", "none"])
+    def test_a_reset_mask_resets_only_the_envs_it_selects(self, pair, selected):
+        def run(p):
+            td = p.reset()
+            for _ in range(2):
+                td = step_mdp(p.step(with_ones(p, td)))
+            n = td.shape[0]
+            rows = torch.tensor([selected == "first"] + [False] * (n - 1))
+            td["_reset"] = rows.reshape(n, *[1] * td.ndim).expand(*td.shape, 1).clone()
+            td = p.reset(td)
+            # "next" only: SerialEnv gives an env it does not reset its buffers' values
+            # of the keys the input lacks, and with unbuffered envs zeros, as this pool.
+            return p.step(with_ones(p, td))["next"]
+
+        self.same_as_serial_env(pair.zmq, run, f"reset() with a {selected} '_reset' mask")
+
+    def test_a_transformed_env_resets_only_the_envs_that_are_done(self, pair):
+        # TransformedEnv's maybe_reset resets through the pool's _reset with a mask.
+        def run(p):
+            env = TransformedEnv(p, StepCounter())
+            rollout = env.rollout(8, functools.partial(with_ones, p), break_when_any_done=False)
+            # "next" only: over a lazy stack, TransformedEnv's rollout roots hold
+            # zeros, torchrl's pool's as this pool's (not SerialEnv's).
+            return rollout["next"]
+
+        self.same_as_serial_env(pair.zmq, run, "TransformedEnv(pool, StepCounter()).rollout(8)")
+
     # Partial steps: torchrl's pool sends every row to its env and fails to stack
     # "next" ("The sets of keys ... are exclusive"); SerialEnv, the reference here,
     # steps the envs the "_step" mask selects.

@@ -1,4 +1,6 @@
-"""torchrl's partial steps: a ``"_step"`` mask in a sync ``step`` steps only the envs it selects.
+"""torchrl's partial steps and resets: a mask in a sync call reaches only the envs it selects.
+
+A ``"_step"`` mask in a sync ``step`` steps only the envs it selects.
 
 ``EnvBase.rollout(..., break_when_any_done=False)`` writes one (``True`` for
 the envs still running) so that envs that are done wait for the others, and
@@ -7,14 +9,26 @@ the envs still running) so that envs that are done wait for the others, and
 such as the reward). torchrl's pool sends every row to its env and then fails
 to stack ``"next"`` with the mask's rows. The functions here are that
 ``SerialEnv`` behaviour, on the pool's rows.
+
+A ``"_reset"`` mask in ``_reset`` (``TransformedEnv``'s ``maybe_reset``, a
+collector's, ``reset(td)``) resets only the envs it selects, as ``SerialEnv``
+does; the others are not contacted, and ``EnvBase.reset`` keeps their values
+from its input. torchrl's pool sends the whole batch to every env, and an env
+that ignores the mask (almost every unbatched env) is reset mid-episode
+without a done flag, or raises (gymnasium's: "Partial resets are not handled
+at this level").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tensordict import TensorDictBase
+from torchrl.envs.utils import _aggregate_end_of_traj
 
 STEP_MASK = "_step"
+RESET_MASK = "_reset"
 
 
 def masked_envs(mask: torch.Tensor, num_envs: int) -> list[int]:
@@ -57,3 +71,49 @@ def fill_unstepped(
             full.set(key, held.clone())
     full[torch.tensor(envs, dtype=torch.long)] = stepped_next
     return full
+
+
+def envs_to_reset(
+    tensordict: TensorDictBase, reset_keys: Sequence, num_envs: int
+) -> list[int] | None:
+    """The envs a reset of ``tensordict`` asks for, as ``SerialEnv`` reads them; None: all.
+
+    Its root ``"_reset"``, or else every reset key (nested ones too); an env
+    is reset if any element of its mask is set. No reset key at all: every env.
+    """
+    needs = tensordict.get(RESET_MASK, None)
+    if needs is None:
+        needs = _aggregate_end_of_traj(tensordict, reset_keys=list(reset_keys))
+    if not isinstance(needs, torch.Tensor):  # no reset keys: a plain reset
+        return None
+    rows = needs.reshape(num_envs, -1).any(-1)
+    if bool(rows.all()):
+        return None
+    return rows.nonzero().flatten().tolist()
+
+
+def fill_unreset(
+    reset_rows: TensorDictBase | None, zeros: TensorDictBase, envs: list[int]
+) -> TensorDictBase:
+    """A dense reset's output for every env: ``reset_rows`` at ``envs``, zeros elsewhere.
+
+    ``zeros``: what ``SerialEnv`` gives an env it does not reset (its
+    observation spec's zeros), used as it is when no env was reset;
+    ``EnvBase.reset`` then keeps those envs' values from its input.
+    """
+    if reset_rows is None:
+        return zeros
+    full = reset_rows.new_zeros(zeros.batch_size)
+    full[torch.tensor(envs, dtype=torch.long)] = reset_rows
+    return full
+
+
+def unreset_rows(
+    reset_rows: TensorDictBase | None, zeros: Sequence[TensorDictBase], envs: list[int]
+) -> list[TensorDictBase]:
+    """A lazy reset's rows, one per env: ``reset_rows``' at ``envs``, ``zeros[i]`` elsewhere."""
+    rows = list(zeros)
+    if reset_rows is not None:
+        for env, row in zip(envs, reset_rows.unbind(0), strict=True):
+            rows[env] = row
+    return rows

@@ -36,7 +36,14 @@ from zmqpool.config import PoolConfig
 from zmqpool.errors import EnvError, EnvLostError, NothingInFlightError, PoolClosedError
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
-from zmqpool.partial import STEP_MASK, fill_unstepped, masked_envs
+from zmqpool.partial import (
+    STEP_MASK,
+    envs_to_reset,
+    fill_unreset,
+    fill_unstepped,
+    masked_envs,
+    unreset_rows,
+)
 from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
@@ -334,7 +341,27 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
         self._settle_interrupted()
         with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
-            return super()._reset(tensordict, **kwargs)
+            envs = None
+            if tensordict is not None:
+                envs = envs_to_reset(tensordict, self.reset_keys, self.num_envs)
+            if envs is None:
+                return super()._reset(tensordict, **kwargs)
+            return self._partial_reset(tensordict, envs)
+
+    def _partial_reset(self, tensordict: TensorDictBase, envs: list[int]) -> TensorDictBase:
+        """``_reset`` of the envs a ``"_reset"`` mask selects, only (:mod:`zmqpool.partial`)."""
+        reset_rows = None
+        if envs:
+            self._send(Command.RESET_RAW, tensordict[envs], envs, True)
+            reset_rows = self._assembler.stack_next(self._recv_every_env(Kind.RESET, len(envs)))
+        zeros = self.full_observation_spec.zero()  # SerialEnv's for an env it does not reset
+        if self.stack == "dense":
+            out = fill_unreset(reset_rows, zeros, envs)
+        else:  # envs of unlike structures: row by row
+            rows = unreset_rows(reset_rows, zeros.unbind(0), envs)
+            out = self._assembler.stack_tds(rows)
+        self._assembler.set_env_index(out, list(range(self.num_envs)))
+        return out
 
     def _recv_every_env(self, kind: Kind, count: int) -> list[Reply]:
         """A sync call's recv of the ``count`` envs it sent to (see :meth:`_settled_on_error`).
@@ -432,11 +459,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
         As ``SerialEnv`` refuses it (``RuntimeError``), before anything is sent:
         torchrl's pool sends it and then waits for more envs than it reset, and
-        the pool stays busy.
+        the pool stays busy. With a ``"_reset"`` mask that leaves some envs out,
+        only the envs it selects are reset, as by ``SerialEnv``.
         """
         self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
+            if envs_to_reset(tensordict, self.reset_keys, self.num_envs) is not None:
+                # A "_reset" mask: EnvBase's reset, as SerialEnv's, whose _reset resets the
+                # envs it selects only. torchrl's pool resets every env (zmqpool.partial).
+                return EnvBase.reset(self, tensordict, **kwargs)
         self._settle_interrupted()
         with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
             return super().reset(tensordict, **kwargs)
