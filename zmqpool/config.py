@@ -33,7 +33,8 @@ class PoolConfig:
     """
 
     #: how long construction waits for every env slot to register; also bounds
-    #: a replacement fork server's start and each env's ``set_seed`` reply.
+    #: a restarted worker's registration (one later is killed: a death), a
+    #: replacement fork server's start and each env's ``set_seed`` reply.
     register_timeout_s: float = 120.0
     #: how long ``close()`` waits for workers to exit before killing them.
     close_timeout_s: float = 3.0

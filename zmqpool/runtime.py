@@ -295,7 +295,7 @@ class Runtime:
         masks = self.plan.worker_affinity
         affinity = None if masks is None else masks[record.local_index]
         process = self.launcher.start(argv, payload, affinity)
-        self.roster.spawned(record, process)
+        self.roster.spawned(record, process, time.monotonic())
         self.broker.watch_fd(process.pidfd)
 
     def _await_registration(self, count: int, deadline: float) -> None:
