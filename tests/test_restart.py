@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tests.conftest import pids_alive
 from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.roster import WorkerPhase
 from zmqpool.testing import CountingEnv, FaultyEnv
@@ -347,6 +348,33 @@ def test_a_restart_that_does_not_register_in_time_is_tried_again(tmp_path):
         assert pool.last_restarted_envs == [0] and pool.env_stats()[0]["restarts"] >= 2
     finally:
         pool.close()
+
+
+def test_close_during_a_restart_kills_the_unregistered_worker_at_once(tmp_path, caplog):
+    """A worker not registered yet never hears CLOSE: close() waited all of
+    ``close_timeout_s`` for it, then killed it ("did not exit in time"). Now it is
+    killed at once."""
+    pool, _ = hanging_restart_pool(tmp_path, max_restarts=100, register_timeout_s=60.0)
+    closed = False
+    try:
+        old, deadline = pool.runtime.roster.local[0].process, time.monotonic() + 20
+        while pool.runtime.roster.local[0].process in (old, None):  # until its restart is forked
+            assert time.monotonic() < deadline, "env 0's worker was never restarted"
+            pool.async_step_send(actions([0.1]), env_index=[1])
+            assert ids(pool.async_step_recv(min_get=1)) == [1]
+        new = pool.runtime.roster.local[0]
+        assert new.phase is WorkerPhase.STARTING and new.process is not None
+        pid = new.process.pid
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            pool.close()
+        closed = True
+        assert time.monotonic() - start < QUICK.close_timeout_s / 2
+        assert "did not exit in time" not in caplog.text
+        assert pids_alive([pid]) == []
+    finally:
+        if not closed:
+            pool.close()
 
 
 _OUT_OF_FILES = """

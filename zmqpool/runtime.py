@@ -114,6 +114,9 @@ class Resources:
                 close = Header(Command.CLOSE).encode()
                 for link in self.roster.linked():
                     self.broker.route(link.identity, [close], link.remote)
+                for record in self.roster.local:  # a restart not registered yet: it never
+                    if record.process is not None and record.link is None:  # hears CLOSE
+                        record.process.kill()
             grace_s = self.config.close_timeout_s if grace_s is None else grace_s
             stop_all(processes, grace_s)
             for launcher in self.launchers:
