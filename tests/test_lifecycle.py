@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,3 +198,77 @@ def test_env_instances_maybe_dense_stack_and_worker_affinity():
         assert pool.step(td)["next", "observation"][:, 1].tolist() == [1.0, 1.0]
     finally:
         pool.close()
+
+
+BUILT_IN_A_THREAD = textwrap.dedent(
+    """
+    import faulthandler, json, os, sys, threading, time
+    from zmqpool import PoolConfig, ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+    faulthandler.dump_traceback_later(60, exit=True)  # the test reads until it ends
+    built = {}
+
+    def build():
+        built["pool"] = ZMQAsyncEnvPool(
+            CountingEnv,
+            create_env_kwargs=[{"env_id": 0}, {"env_id": 1}],
+            config=PoolConfig(fork_server=sys.argv[1] == "fork-server"),
+        )
+        built["thread"] = threading.get_native_id()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/self/task/{built['thread']}"):  # its OS thread has exited
+        assert time.monotonic() < deadline, "the builder thread never exited"
+        time.sleep(0.01)
+    pool = built["pool"]
+    pids = [p.pid for p in pool.worker_processes().values()]
+    td = pool.reset()  # a worker its thread's exit killed could not answer: it restarts first
+    pool.step(td.update(pool.full_action_spec.rand()))
+    print(json.dumps({
+        "pids": pids + [pid for pid in [pool.fork_server_pid] if pid is not None],
+        "restarts": [stats["restarts"] for stats in pool.env_stats().values()],
+        "same": [p.pid for p in pool.worker_processes().values()] == pids,
+        "directory": pool.runtime.resources.directory,
+    }), flush=True)
+    sys.stdin.read()  # until the test kills us
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["fork-server", "fresh-interpreters"])
+def test_a_pool_built_in_a_thread_outlives_it_and_still_dies_with_the_trainer(mode, tmp_path):
+    """Its processes used to die with the thread that built it (``PR_SET_PDEATHSIG`` fires
+    when the parent *thread* ends): the thread returned, every worker (and a fork server
+    it started) was SIGKILLed, every env restarted. Now they are started from a thread
+    that lives as long as the process, and still die at once with the trainer."""
+    script = tmp_path / "built_in_a_thread.py"
+    script.write_text(BUILT_IN_A_THREAD)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline()  # the trainer's own watchdog bounds this
+        assert line, f"the trainer exited with {trainer.wait(10)}"
+        report = json.loads(line)
+        assert report["restarts"] == [0, 0] and report["same"]
+        pids = report["pids"]
+        assert len(pids) == (3 if mode == "fork-server" else 2)
+        assert pids_alive(pids) == pids
+        trainer.kill()
+        killed = time.monotonic()
+        trainer.wait(10)
+        while pids_alive(pids):
+            assert time.monotonic() - killed < 5, f"{pids_alive(pids)} outlived their trainer"
+            time.sleep(0.01)
+        assert time.monotonic() - killed < 2  # PR_SET_PDEATHSIG: about 0.1 s
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    shutil.rmtree(report["directory"], ignore_errors=True)  # a killed trainer leaves it

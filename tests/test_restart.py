@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -14,6 +15,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tests.conftest import pids_alive
 from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.roster import WorkerPhase
 from zmqpool.testing import CountingEnv, FaultyEnv
@@ -275,6 +277,104 @@ def test_a_step_that_kills_its_worker_kills_it_once_and_none_runs_twice():
         assert pool.env_stats()[0]["restarts"] == 1
     finally:
         pool.close()
+
+
+def hangs_when_rebuilt(flag: str, env_id: int) -> CountingEnv:
+    """A CountingEnv whose build, once ``flag`` exists, never finishes (a restart that hangs)."""
+    if os.path.exists(flag):
+        time.sleep(1000)
+    return CountingEnv(env_id=env_id)
+
+
+def hanging_restart_pool(tmp_path, max_restarts: int, register_timeout_s: float = 1.0):
+    """Two envs, env 0's worker SIGKILLed once its rebuild hangs; returns (pool, flag).
+
+    Built with QUICK's long registration timeout (a first fork server imports
+    torch within it); then the supervisor's is shortened, so a restart that does
+    not register is seen in ``register_timeout_s``, not minutes.
+    """
+    flag = tmp_path / "rebuilds-hang"
+    config = dataclasses.replace(QUICK, max_restarts=max_restarts)
+    pool = ZMQAsyncEnvPool(
+        hangs_when_rebuilt,
+        create_env_kwargs=[{"flag": str(flag), "env_id": i} for i in range(2)],
+        config=config,
+    )
+    pool.runtime.supervisor.config = dataclasses.replace(
+        config, register_timeout_s=register_timeout_s
+    )
+    pool.reset()
+    flag.touch()
+    os.kill(pool.worker_pid(0), signal.SIGKILL)
+    return pool, flag
+
+
+def test_a_restart_that_never_registers_ends_in_a_crash_loop_not_a_hang(tmp_path):
+    """The audit's hang: a restarted worker that never registered had no deadline at all.
+
+    Its env's requests waited for ever (a sync step blocked; an async loop
+    lost the env without a word). Now a start not registered within
+    ``register_timeout_s`` is killed and counted as a death: here, with
+    ``max_restarts=1``, the second one is a crash loop and the request fails.
+    """
+    pool, _ = hanging_restart_pool(tmp_path, max_restarts=1)
+    try:
+        pool.async_step_send(actions([0.1, 0.2]), env_index=[0, 1])
+        assert ids(pool.async_step_recv(min_get=1)) == [1]  # the other env carries on
+        start = time.monotonic()
+        with pytest.raises(CrashLoopError) as info:
+            pool.async_step_recv(min_get=1, timeout=20)
+        assert info.value.env_indices == [0]
+        assert "did not register within 1.0 s" in str(info.value)
+        assert time.monotonic() - start < 15
+        pool.async_step_send(actions([0.3]), env_index=[1])
+        assert ids(pool.async_step_recv(min_get=1, timeout=20)) == [1]
+    finally:
+        pool.close()
+
+
+def test_a_restart_that_does_not_register_in_time_is_tried_again(tmp_path):
+    pool, flag = hanging_restart_pool(tmp_path, max_restarts=100)
+    try:
+        pool.async_step_send(actions([0.1]), env_index=[0])
+        deadline = time.monotonic() + 20
+        while "did not register" not in (pool.env_stats()[0]["last_restart_cause"] or ""):
+            assert time.monotonic() < deadline, "the hung restart was never given up on"
+            with pytest.raises(TimeoutError):  # listens meanwhile: nothing to answer yet
+                pool.async_step_recv(min_get=1, timeout=0.1)
+        flag.unlink()  # the next start builds its env: the request is answered
+        out = pool.async_step_recv(min_get=1, timeout=20)
+        assert ids(out) == [0] and out["next", "truncated"].item()
+        assert pool.last_restarted_envs == [0] and pool.env_stats()[0]["restarts"] >= 2
+    finally:
+        pool.close()
+
+
+def test_close_during_a_restart_kills_the_unregistered_worker_at_once(tmp_path, caplog):
+    """A worker not registered yet never hears CLOSE: close() waited all of
+    ``close_timeout_s`` for it, then killed it ("did not exit in time"). Now it is
+    killed at once."""
+    pool, _ = hanging_restart_pool(tmp_path, max_restarts=100, register_timeout_s=60.0)
+    closed = False
+    try:
+        old, deadline = pool.runtime.roster.local[0].process, time.monotonic() + 20
+        while pool.runtime.roster.local[0].process in (old, None):  # until its restart is forked
+            assert time.monotonic() < deadline, "env 0's worker was never restarted"
+            pool.async_step_send(actions([0.1]), env_index=[1])
+            assert ids(pool.async_step_recv(min_get=1)) == [1]
+        new = pool.runtime.roster.local[0]
+        assert new.phase is WorkerPhase.STARTING and new.process is not None
+        pid = new.process.pid
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            pool.close()
+        closed = True
+        assert time.monotonic() - start < QUICK.close_timeout_s / 2
+        assert "did not exit in time" not in caplog.text
+        assert pids_alive([pid]) == []
+    finally:
+        if not closed:
+            pool.close()
 
 
 _OUT_OF_FILES = """

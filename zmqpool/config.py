@@ -33,9 +33,11 @@ class PoolConfig:
     """
 
     #: how long construction waits for every env slot to register; also bounds
-    #: a replacement fork server's start and each env's ``set_seed`` reply.
+    #: a restarted worker's registration (one later is killed: a death), a
+    #: replacement fork server's start and each env's ``set_seed`` reply.
     register_timeout_s: float = 120.0
-    #: how long ``close()`` waits for workers to exit before killing them.
+    #: how long ``close()`` waits for workers to exit before killing them (a
+    #: worker not registered yet, a restart under way, is killed at once).
     close_timeout_s: float = 3.0
     #: an env step or reset running longer than this is hung (None: never): a
     #: local worker is killed and restarted; a remote worker's slots are

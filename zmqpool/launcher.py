@@ -23,6 +23,10 @@ it: while it imports torch, a restart is put off
 (:class:`ForkServerStarting`), not the trainer. After
 :data:`FORK_SERVER_REPLACEMENTS` replacements it gives up on fork servers and
 starts fresh interpreters, as with ``PoolConfig(fork_server=False)``.
+
+The fork server and fresh interpreters die with the trainer the same way;
+they are started from one thread that lives as long as the process
+(:class:`_Spawner`), since the signal fires when the parent *thread* ends.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import select
 import signal
 import struct
@@ -39,6 +44,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -77,6 +83,68 @@ class WorkerProcess(Protocol):
     def release(self) -> None: ...
 
 
+class _Spawner:
+    """The one thread this process starts its fork servers and fresh-interpreter workers from.
+
+    ``PR_SET_PDEATHSIG``, by which they die with the trainer, fires when the
+    *thread* that started them ends, not the process: a pool made in a thread
+    that then returns (an executor's, an evaluation thread's) lost its workers
+    and the shared fork server with them. This daemon thread lives as long as
+    the process (a forked child makes its own), so they die only with the process.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="zmqpool-spawner", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            start, future = self._requests.get()
+            try:
+                future.set_result(start())
+            except BaseException as err:  # for the caller to raise
+                future.set_exception(err)
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        """``subprocess.Popen(*args, **kwargs)``, started from this thread (waits for it)."""
+        future: Future[subprocess.Popen] = Future()
+        self._requests.put((lambda: subprocess.Popen(*args, **kwargs), future))
+        try:
+            return future.result()
+        except BaseException:
+            future.add_done_callback(_kill_unclaimed)  # interrupted (Ctrl-C): nobody holds it
+            raise
+
+
+def _kill_unclaimed(future: Future[subprocess.Popen]) -> None:
+    if future.exception() is None:
+        proc = future.result()
+        proc.kill()
+        proc.wait()
+
+
+_SPAWNER: _Spawner | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+    """Start a child process that dies with this process, whichever thread asks (see _Spawner)."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = _Spawner()
+        spawner = _SPAWNER
+    return spawner.popen(*args, **kwargs)
+
+
+def _new_spawner() -> None:
+    global _SPAWNER, _SPAWNER_LOCK
+    _SPAWNER, _SPAWNER_LOCK = None, threading.Lock()  # a forked child: the thread is not here
+
+
+os.register_at_fork(after_in_child=_new_spawner)
+
+
 def _child_env() -> dict[str, str]:
     """The environment of a worker: ours, with our sys.path importable (as multiprocessing does)."""
     env = dict(os.environ)
@@ -113,7 +181,7 @@ class LocalProcess(_Watched):
 
     def __init__(self, argv: list[str], payload: bytes, cpu_affinity: Sequence[int] | None) -> None:
         self.argv = argv
-        self.proc = subprocess.Popen(
+        self.proc = _popen(
             argv,
             stdin=subprocess.PIPE,
             close_fds=True,
@@ -346,7 +414,7 @@ class ForkServer:
     """
 
     def __init__(self, on_death: Callable[[ForkServer], None] | None = None) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = _popen(
             [*module_argv("workers.zygote"), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -92,6 +92,7 @@ class WorkerRecord:
     kill_traceback: str = ""
     maker_traceback: str = ""  # a FAILED report from its last start
     respawn_at: float = float("inf")  # RESPAWN_DUE
+    started_at: float = 0.0  # STARTING: when its process was spawned (time.monotonic())
 
     @property
     def remote(self) -> bool:
@@ -154,6 +155,9 @@ class Roster:
         # and expired(), which run at every pump, look at instead of every worker or slot.
         self._respawns: dict[int, WorkerRecord] = {}
         self._vacant: dict[int, EnvRecord] = {}
+        # The local workers spawned (and maybe registered since), by worker index:
+        # what overdue() and next_register_deadline() look at.
+        self._starting: dict[int, WorkerRecord] = {}
 
     # ------------------------------------------------------------ lookups
 
@@ -179,10 +183,12 @@ class Roster:
 
     # ------------------------------------------------------------ local processes
 
-    def spawned(self, record: WorkerRecord, process: WorkerProcess) -> None:
+    def spawned(self, record: WorkerRecord, process: WorkerProcess, now: float = 0.0) -> None:
         record.phase, record.process = WorkerPhase.STARTING, process
-        record.respawn_at = float("inf")
+        record.respawn_at, record.started_at = float("inf"), now
         self._by_pidfd[process.pidfd] = record
+        assert record.local_index is not None, "only local workers are spawned"
+        self._starting[record.local_index] = record
 
     def killing(self, record: WorkerRecord, cause: str, traceback: str) -> None:
         record.phase = WorkerPhase.KILLING
@@ -226,6 +232,31 @@ class Roster:
             return float("inf")
         self._forget_respawned()
         return min((w.respawn_at for w in self._respawns.values()), default=float("inf"))
+
+    def overdue(self, now: float, timeout_s: float) -> list[WorkerRecord]:
+        """The local workers spawned more than ``timeout_s`` before ``now`` and not registered."""
+        if not self._starting:  # the usual pump: nobody is starting
+            return []
+        self._forget_started()
+        return [
+            self._starting[i]
+            for i in sorted(self._starting)
+            if now - self._starting[i].started_at > timeout_s
+        ]
+
+    def next_register_deadline(self, timeout_s: float) -> float:
+        """When the next starting worker is overdue (``inf``: none is starting)."""
+        if not self._starting:
+            return float("inf")
+        self._forget_started()
+        return min((w.started_at for w in self._starting.values()), default=float("inf")) + (
+            timeout_s
+        )
+
+    def _forget_started(self) -> None:
+        for index, record in list(self._starting.items()):
+            if record.phase is not WorkerPhase.STARTING or record.process is None:
+                del self._starting[index]
 
     def _forget_respawned(self) -> None:
         for index, record in list(self._respawns.items()):

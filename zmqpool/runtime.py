@@ -126,6 +126,9 @@ class Resources:
                 close = Header(Command.CLOSE).encode()
                 for link in self.roster.linked():
                     self.broker.route(link.identity, [close], link.remote)
+                for record in self.roster.local:  # a restart not registered yet: it never
+                    if record.process is not None and record.link is None:  # hears CLOSE
+                        record.process.kill()
             grace_s = self.config.close_timeout_s if grace_s is None else grace_s
             stop_all(processes, grace_s)
             for launcher in self.launchers:
@@ -325,7 +328,7 @@ class Runtime:
         masks = self.plan.worker_affinity
         affinity = None if masks is None else masks[record.local_index]
         process = self.launcher.start(argv, payload, affinity)
-        self.roster.spawned(record, process)
+        self.roster.spawned(record, process, time.monotonic())
         self.broker.watch_fd(process.pidfd)
 
     def _await_registration(self, count: int, deadline: float) -> None:

@@ -169,7 +169,10 @@ class Supervisor:
     # ------------------------------------------------------------ timers
 
     def next_wakeup(self) -> float:
-        return self.roster.next_respawn()
+        return min(
+            self.roster.next_respawn(),
+            self.roster.next_register_deadline(self.config.register_timeout_s),
+        )
 
     def tick(self, now: float) -> None:
         """Respawn what is due; act on lateness, silence and expired vacancies."""
@@ -180,6 +183,7 @@ class Supervisor:
                 self.roster.respawn_due(record, now + wait.retry_after_s)
             except OSError as err:  # out of file descriptors, processes, memory: try again
                 self._spawn_failed(record, now, err)
+        self._check_registrations(now)
         self._check_deadlines(now)
         for identity in self.liveness.silent(now):
             assert isinstance(identity, bytes)
@@ -219,6 +223,18 @@ class Supervisor:
             why += f"within {self.config.rejoin_timeout_s} s"
             log.error("envs %s are lost: %s", late, why)
             self._fail(late, EnvLostError(late, why))
+
+    def _check_registrations(self, now: float) -> None:
+        """A restarted worker that does not register in time is killed: a failed start.
+
+        Its exit then counts as a death like any other (a restart with backoff,
+        or a crash loop), so its envs' requests never wait on it without bound:
+        neither the deadlines nor the silence check look at a worker before it
+        registers.
+        """
+        timeout = self.config.register_timeout_s
+        for record in self.roster.overdue(now, timeout):
+            self._kill(record, f"its restart did not register within {timeout} s", "")
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.step_timeout_s
