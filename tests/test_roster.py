@@ -48,7 +48,7 @@ def test_a_local_worker_lives_dies_is_respawned_and_its_envs_come_back_fresh():
     assert [w.phase for w in roster.local] == [WorkerPhase.STARTING] * 2
     assert first.identity != second.identity and first.identity.startswith(b"w0.")
     for index, record in enumerate(roster.local):
-        roster.spawned(record, FakeProcess(index + 10))
+        roster.spawned(record, FakeProcess(index + 10), 0.0)
         assert register(roster, record) is False  # a first registration is no rejoin
     assert phases(roster) == ["live"] * 3 and roster.registered() == 3
     assert roster.by_pidfd(10) is first and roster.processes() and len(roster.linked()) == 2
@@ -63,7 +63,7 @@ def test_a_local_worker_lives_dies_is_respawned_and_its_envs_come_back_fresh():
 
     roster.respawn_due(first, at=5.0)
     assert roster.due(4.9) == [] and roster.due(5.0) == [first] and roster.next_respawn() == 5.0
-    roster.spawned(first, FakeProcess(11))
+    roster.spawned(first, FakeProcess(11), 0.0)
     assert register(roster, first, b"i1") is True  # rebuilt: a rejoin
     assert phases(roster) == ["fresh", "fresh", "live"]
     assert roster.begin(0, resets=False) is True  # a fresh env's step is sent as a reset
@@ -75,7 +75,7 @@ def test_a_local_worker_lives_dies_is_respawned_and_its_envs_come_back_fresh():
 def test_respawns_due_come_in_worker_order_and_a_respawned_worker_is_no_longer_due():
     roster = Roster(3, [(0,), (1,), (2,)], [])
     for index, record in enumerate(roster.local):
-        roster.spawned(record, FakeProcess(index + 10))
+        roster.spawned(record, FakeProcess(index + 10), 0.0)
         register(roster, record)
     assert roster.due(100.0) == [] and roster.next_respawn() == float("inf")
     third, first = roster.local[2], roster.local[0]
@@ -85,9 +85,9 @@ def test_respawns_due_come_in_worker_order_and_a_respawned_worker_is_no_longer_d
         roster.respawn_due(record, at=at)
     assert roster.next_respawn() == 2.0
     assert roster.due(2.5) == [third] and roster.due(3.0) == [first, third]
-    roster.spawned(third, FakeProcess(20))
+    roster.spawned(third, FakeProcess(20), 0.0)
     assert roster.due(10.0) == [first] and roster.next_respawn() == 3.0
-    roster.spawned(first, FakeProcess(21))
+    roster.spawned(first, FakeProcess(21), 0.0)
     assert roster.due(10.0) == [] and roster.next_respawn() == float("inf")
 
 
@@ -105,7 +105,7 @@ def test_a_vacant_slot_filled_again_is_not_lost_later():
 def test_a_death_the_pool_did_not_cause_keeps_its_own_cause_and_a_crash_loop_is_lost():
     roster = Roster(1, [(0,)], [])
     (record,) = roster.local
-    roster.spawned(record, FakeProcess(3))
+    roster.spawned(record, FakeProcess(3), 0.0)
     register(roster, record)
     roster.failed_to_start(record, "maker traceback")
     assert roster.exited(record, "exit status 1") == ("exit status 1", "maker traceback")

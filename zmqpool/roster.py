@@ -183,7 +183,7 @@ class Roster:
 
     # ------------------------------------------------------------ local processes
 
-    def spawned(self, record: WorkerRecord, process: WorkerProcess, now: float = 0.0) -> None:
+    def spawned(self, record: WorkerRecord, process: WorkerProcess, now: float) -> None:
         record.phase, record.process = WorkerPhase.STARTING, process
         record.respawn_at, record.started_at = float("inf"), now
         self._by_pidfd[process.pidfd] = record
