@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import zmqpool.runtime
 from tests.conformance import GlobalRandomEnv
 from tests.conftest import FAST, pids_alive
 from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
-from zmqpool.endpoints import make_private_dir
+from zmqpool.endpoints import make_private_dir, remove_private_dir, sweep_stale_dirs
 from zmqpool.testing import CountingEnv, FaultyEnv
 
 
@@ -179,6 +180,26 @@ def test_each_worker_and_each_restart_draws_its_own_random_numbers():
         assert (again[0] != draws[0]).all()
     finally:
         pool.close()
+
+
+def test_a_killed_trainers_directory_is_removed_by_the_next_pool(tmp_path):
+    # A trainer killed by a signal leaves its ipc directory; the next pool made
+    # removes those whose process is gone and whose router nobody listens on.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, listened = tmp_path / f"zmqp-{gone.pid}-a", tmp_path / f"zmqp-{gone.pid}-b"
+    live = tmp_path / f"zmqp-{os.getpid()}-c"
+    for directory in (stale, listened, live):
+        directory.mkdir()
+    (stale / "r").touch()  # a socket file with nothing bound: ECONNREFUSED
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as router:
+        router.bind(str(listened / "r"))  # a live process of that pid in another namespace
+        router.listen()
+        assert sweep_stale_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and listened.exists() and live.exists()
+    mine = make_private_dir()
+    remove_private_dir(mine)
+    assert os.path.basename(mine).startswith(f"zmqp-{os.getpid()}-")  # what the sweep reads
 
 
 def test_env_instances_maybe_dense_stack_and_worker_affinity():

@@ -3,13 +3,19 @@
 Local endpoints are ``ipc://`` files in a fresh directory of mode 0700, so no
 other user can connect. Paths are kept short because ``ipc://`` paths are
 limited to ``zmq.IPC_PATH_MAX_LEN`` (107 bytes on Linux).
+
+A trainer killed by a signal cannot remove its directory; the next pool made
+on the machine removes those it finds stale (:func:`sweep_stale_dirs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
 import os
 import shutil
+import socket
 import tempfile
 
 import zmq
@@ -38,11 +44,65 @@ def tcp_endpoints(bind: str) -> Endpoints:
 
 
 def make_private_dir() -> str:
-    """A fresh 0700 directory with a short path."""
-    base = "/tmp" if os.path.isdir("/tmp") else None
-    path = tempfile.mkdtemp(prefix="zmqp-", dir=base)
+    """A fresh 0700 directory with a short path, named after this process.
+
+    Stale directories of trainers that were killed go first (:func:`sweep_stale_dirs`).
+    """
+    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    sweep_stale_dirs(base)
+    path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)
     return path
+
+
+_PREFIX = "zmqp-"
+
+
+def sweep_stale_dirs(base: str) -> list[str]:
+    """Remove the pool directories in ``base`` that no live trainer uses; returns them.
+
+    One is stale if it is ours (same user), the process it is named after is
+    gone, and nothing listens on its router socket. The socket test guards
+    against a process of the same pid in another pid namespace sharing /tmp.
+    """
+    removed = []
+    for path in glob.glob(os.path.join(base, f"{_PREFIX}*-*")):
+        if _is_stale(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _is_stale(path: str) -> bool:
+    pid = os.path.basename(path)[len(_PREFIX) :].split("-", 1)[0]
+    try:
+        if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
+            return False
+    except OSError:  # removed meanwhile
+        return False
+    return not _listening(os.path.join(path, "r"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
+def _listening(path: str) -> bool:
+    """Whether a socket at ``path`` accepts connections (a pool's router binds there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            return err.errno != errno.ECONNREFUSED
+    return True
 
 
 def ipc_endpoints(directory: str) -> Endpoints:
