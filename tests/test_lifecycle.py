@@ -88,6 +88,7 @@ def test_close_is_bounded_with_a_hung_worker_and_leaves_nothing():
     assert not glob.glob(f"{directory}*")
     with pytest.raises(PoolClosedError):
         pool.reset()
+    assert pool.worker_processes() == {} and pool.worker_pid(0) is None  # not the dead pid
 
 
 DROPPED = textwrap.dedent(

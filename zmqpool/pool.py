@@ -726,14 +726,18 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def worker_processes(self) -> dict[int, WorkerProcess]:
         """Each local worker's process (``pid``, ``exit_status()``), by worker index.
 
-        A worker being restarted is absent. Remote workers are not ours to list.
+        A worker being restarted is absent, and a closed pool has none. Remote
+        workers are not ours to list.
         """
+        if self._resources.closed:  # its processes are gone, or the parent's (forked)
+            return {}
         return self._runtime.worker_processes()
 
     def worker_pid(self, env_index: int) -> int | None:
         """The pid of the local process hosting env ``env_index`` now.
 
-        None for a remote env, or while its worker is being restarted.
+        None for a remote env, while its worker is being restarted, or once the
+        pool is closed.
 
         Example:
             >>> os.kill(pool.worker_pid(0), signal.SIGKILL)  # doctest: +SKIP
