@@ -161,7 +161,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _run_worker(argv: list[str]) -> int:
     from workers.cli import main as worker_main
 
-    return worker_main(argv)
+    return worker_main(argv, prog=f"{PROG} worker")
 
 
 def _run_bench(argv: list[str]) -> int:

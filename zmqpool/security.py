@@ -101,10 +101,15 @@ class ClientKeys:
     @classmethod
     def from_files(cls, server_key: str, client_secret_key: str) -> ClientKeys:
         server_public, _ = zmq.auth.load_certificate(server_key)
-        check_secret_file(client_secret_key)
         public, secret = zmq.auth.load_certificate(client_secret_key)
+        # A public key given for the secret one: say so first, not "chmod 600" (its usual mode
+        # is 0644), which would only lead to this same message.
         if secret is None:
-            raise ValueError(f"{client_secret_key} holds no secret key (use the .key_secret file)")
+            raise ValueError(
+                f"{client_secret_key} holds no secret key: give the .key_secret file, "
+                "not the public .key"
+            )
+        check_secret_file(client_secret_key)
         return cls(public, secret, server_public)
 
 
