@@ -161,9 +161,11 @@ def _private_dir(directory: Path) -> None:
 
 
 def _check_no_keys(directory: Path, workers: int) -> None:
-    secrets = [directory / "server.key_secret"]
-    secrets += [directory / "workers" / f"worker-{i}.key_secret" for i in range(workers)]
-    existing = [str(p.relative_to(directory)) for p in secrets if p.exists()]
+    """Refuse to replace any key file (a public one too) or to empty ``authorized/``."""
+    names = ["server"] + [f"workers/worker-{i}" for i in range(workers)]
+    files = [directory / f"{name}.{ext}" for name in names for ext in ("key", "key_secret")]
+    files += sorted((directory / "authorized").glob("*.key"))
+    existing = [str(p.relative_to(directory)) for p in files if p.exists()]
     if existing:
         raise ValueError(f"{directory} already holds {existing}; pass --force to replace them")
 
