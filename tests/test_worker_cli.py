@@ -285,3 +285,16 @@ def test_the_zmqpool_worker_command_names_itself(capsys):
     with pytest.raises(SystemExit):
         zmqpool_cli.main(["worker", "--help"])
     assert capsys.readouterr().out.startswith("usage: zmqpool worker ")
+
+
+def test_ctrl_c_of_a_single_process_worker_is_status_130_without_a_traceback(monkeypatch):
+    closed = []
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.Worker, "register", interrupted)
+    monkeypatch.setattr(cli.Worker, "close", lambda self: closed.append(self))
+    argv = ["--connect", "tcp://127.0.0.1:9", "--env", "zmqpool.testing:CountingEnv"]
+    assert cli.run([*argv, "--single-process"]) == 130
+    assert len(closed) == 1

@@ -45,9 +45,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Host torchrl envs for a zmqpool trainer and answer its step/reset commands.",
-        epilog="Exit status: 0 when stopped by SIGTERM or SIGINT (or when the pool closed, "
-        "--single-process); 2 when the pool refused the worker or did not answer within "
-        "--register-timeout, or for a bad argument; 1 when an env maker failed (supervised: "
+        epilog="Exit status: 0 when the supervisor is stopped by SIGTERM or SIGINT, or when "
+        "the pool of a --single-process worker closes (130 after its Ctrl-C); 2 when the pool "
+        "refused the worker or did not answer within --register-timeout, or for a bad "
+        "argument; 1 when an env maker failed (supervised: "
         f"{MAX_MAKER_FAILURES} times in a row in an env process that never registered) or "
         "for an unusable key file. The supervisor (without --single-process) restarts an env "
         "process that dies and exits once none is left, with a one-line error saying why.",
@@ -218,7 +219,10 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None, prog: str = 
     # Unguessable by default: see workers/supervise.py on routing identities.
     default = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(8)}"
     identity = (args.identity or default).encode()
-    return serve(args, identity, indices, recipes, remote, keys, slots)
+    try:
+        return serve(args, identity, indices, recipes, remote, keys, slots)
+    except KeyboardInterrupt:  # Ctrl-C: serve closed the worker; no traceback
+        return 130
 
 
 def _client_keys(args: argparse.Namespace) -> ClientKeys | None:
