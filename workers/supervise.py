@@ -78,7 +78,7 @@ class _ChildNotes:
         return self.memory[k * self.SIZE] == 1
 
     def reason(self, k: int) -> str:
-        """The last failure ``k`` noted (and whether it was its env maker's), or ""."""
+        """The last failure child ``k`` noted, one line, or "" if none."""
         raw = self.memory[k * self.SIZE + 2 : (k + 1) * self.SIZE]
         return raw.split(b"\0", 1)[0].decode(errors="replace")
 
@@ -88,7 +88,10 @@ class _ChildNotes:
     def clear_failure(self, k: int) -> None:
         self.memory[k * self.SIZE + 1 : (k + 1) * self.SIZE] = bytes(self.SIZE - 1)
 
-    def note(self, k: int, *, registered: bool = False, failure: str = "", maker: bool = False):
+    def note(
+        self, k: int, *, registered: bool = False, failure: str = "", maker: bool = False
+    ) -> None:
+        """In child ``k``: it registered, or it ends for ``failure`` (the maker's: ``maker``)."""
         base = k * self.SIZE
         if registered:
             self.memory[base] = 1
