@@ -6,6 +6,7 @@ the short commands are started all at once and awaited together.
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import stat
@@ -225,6 +226,49 @@ def test_keygen_refuses_a_directory_others_can_read(tmp_path, capsys):
     assert list(open_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("target", ["/proc/zmqpool-keys", "a-file/keys"])
+def test_keygen_where_it_cannot_write_is_a_one_line_error(tmp_path, monkeypatch, capsys, target):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a directory\n")
+    assert cli.main(["keygen", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zmqpool keygen: cannot write keys into {target}: "), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("existing", ["server.key", "workers/worker-0.key", "authorized/old.key"])
+def test_keygen_refuses_to_replace_a_public_key_without_force(tmp_path, capsys, existing):
+    keys = tmp_path / "k"
+    for directory in (keys, keys / "workers", keys / "authorized"):
+        directory.mkdir(mode=0o700)
+        directory.chmod(0o700)
+    (keys / existing).write_text("public-key = 'kept'\n")
+    assert cli.main(["keygen", str(keys)]) == 2
+    assert f"already holds ['{existing}']; pass --force" in capsys.readouterr().err
+    assert (keys / existing).read_text() == "public-key = 'kept'\n"
+    assert not (keys / "server.key_secret").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_demo_refuses_a_step_timeout_that_is_not_a_positive_duration(monkeypatch, capsys, value):
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--step-timeout", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --step-timeout: must be a number of seconds > 0, got {value}" in err
+    assert "Traceback" not in err
+
+
+def test_demo_report_counts_env_restarts_as_such():
+    from zmqpool.demo import DemoOptions, DemoResult, print_report
+
+    out = io.StringIO()
+    opts = DemoOptions(num_envs=2, envs_per_worker=2, kill_one=True)
+    print_report(opts, DemoResult(10, 1.0, 0.5, [EnvTally(), EnvTally()], restarts_seen=2), out)
+    assert "env restarts: 2" in out.getvalue() and "worker restarts" not in out.getvalue()
+
+
 def test_demo_rejects_a_bad_env_name(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", "--env", "no_such_module_xyz:make"])
@@ -280,5 +324,5 @@ def test_demo_kill_one_shows_the_restart():
     assert proc.returncode == 0, explain(proc)
     assert re.search(r"killed worker \S+ \(pid \d+\) with SIGKILL", proc.stdout), proc.stdout
     assert re.search(r"worker \S+ restarted: pid \d+", proc.stdout), proc.stdout
-    assert re.search(r"worker restarts: [1-9]", proc.stdout), proc.stdout
+    assert re.search(r"env restarts: [1-9]", proc.stdout), proc.stdout
     assert sum(per_env_steps(proc.stdout).values()) == 400, proc.stdout

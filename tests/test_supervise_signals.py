@@ -126,7 +126,8 @@ print(code, round(time.monotonic() - started, 2))
 
 def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refused_one(tmp_path):
     """Restarts are scheduled, not slept through: a refused child is not forked again, a dead
-    one is (0.05 s, then 0.1 s later), and the supervisor ends once every child is refused."""
+    one is (0.05 s, then 0.1 s later), and the supervisor ends once every child is refused,
+    with the status of a refusal (2: a job runner must see that the worker failed)."""
     runs = tmp_path / "runs"
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
@@ -139,6 +140,62 @@ def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refuse
     )
     assert out.returncode == 0, out.stderr
     code, took = out.stdout.split()
-    assert code == "0"
+    assert code == "2"
     assert sorted(runs.read_text().split()) == ["0", "1", "1", "1"]
     assert 0.15 <= float(took) < 10.0
+
+
+MAKER_FAILURES = """
+import sys
+from pathlib import Path
+from workers.supervise import MAX_MAKER_FAILURES, REFUSED, Supervisor, note_failure, note_registered
+
+runs = Path(sys.argv[1])
+
+def child(k, identity):
+    with runs.open("a") as out:
+        out.write(f"{k}\\n")
+    starts = runs.read_text().split().count(str(k))
+    if k == 1:  # a maker that never works
+        note_failure("env maker raised RuntimeError('no')", maker=True)
+        return 1
+    # env 0 registered once, then its maker fails: restarted past MAX_MAKER_FAILURES
+    if starts == 1:
+        note_registered()
+        return 1
+    if starts <= MAX_MAKER_FAILURES + 2:
+        note_failure("env maker raised RuntimeError('not now')", maker=True)
+        return 1
+    note_failure("refused: no free slot")
+    return REFUSED
+
+supervisor = Supervisor(2, child)
+code = supervisor.run()
+print(code)
+print(supervisor.failure())
+"""
+
+
+def test_the_supervisor_gives_up_on_a_maker_that_never_worked_not_on_one_that_did(tmp_path):
+    from workers.supervise import MAX_MAKER_FAILURES
+
+    runs = tmp_path / "runs"
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", MAKER_FAILURES, str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
+    assert out.returncode == 0, out.stderr
+    code, failure = out.stdout.strip().splitlines()
+    started = runs.read_text().split()
+    assert started.count("1") == MAX_MAKER_FAILURES
+    assert started.count("0") == MAX_MAKER_FAILURES + 3
+    assert code == "2"  # one child was refused
+    assert failure == (
+        "env process 0: refused: no free slot; env process 1: its env maker failed "
+        f"{MAX_MAKER_FAILURES} times in a row: env maker raised RuntimeError('no')"
+    )

@@ -15,25 +15,51 @@ import argparse
 import functools
 import json
 import logging
+import math
 import os
+import re
 import secrets
 import sys
 
 from workers.hosting import WORKER_THREADS_VAR, EnvHost, EnvRecipe, recipe_from_name
 from workers.loop import REGISTER_TIMEOUT_S, Worker
-from workers.supervise import REFUSED, Supervisor, die_with_parent
+from workers.supervise import (
+    MAX_MAKER_FAILURES,
+    REFUSED,
+    Supervisor,
+    die_with_parent,
+    note_failure,
+    note_registered,
+)
 from zmqpool.errors import EnvMakerError, RegistrationError
 from zmqpool.security import ClientKeys, InsecureKeyFileError
 
 log = logging.getLogger("workers")
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "python -m workers"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers",
+        prog=prog,
         description="Host torchrl envs for a zmqpool trainer and answer its step/reset commands.",
+        epilog="Exit status: 0 when the supervisor is stopped by SIGTERM or SIGINT, or when "
+        "the pool of a --single-process worker closes (130 after its Ctrl-C); 2 when the pool "
+        "refused the worker or did not answer within --register-timeout, or for a bad "
+        "argument; 1 when an env maker failed (supervised: "
+        f"{MAX_MAKER_FAILURES} times in a row in an env process that never registered) or "
+        "for an unusable key file. The supervisor (without --single-process) restarts an env "
+        "process that dies and exits once none is left, with a one-line error saying why.",
     )
-    parser.add_argument("--connect", required=True, help="the pool's ROUTER endpoint")
+    parser.set_defaults(prog=prog)
+    parser.add_argument(
+        "--connect",
+        required=True,
+        type=_endpoint,
+        help="the pool's ROUTER endpoint, tcp://HOST:PORT",
+    )
     parser.add_argument(
         "--identity",
         help="routing identity of a --single-process worker (default: host-pid-<random>; "
@@ -48,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-envs",
-        type=int,
+        type=_positive_int,
         default=1,
-        help="envs to host with --env: one process each, restarted when it dies",
+        help="envs to host with --env: one process each, restarted when it dies (an env "
+        f"process whose env maker fails {MAX_MAKER_FAILURES} times in a row before it ever "
+        "registered is not restarted)",
     )
     parser.add_argument(
         "--single-process",
@@ -79,10 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--maker-stdin", action="store_true", help="read cloudpickled makers from stdin"
     )
     parser.add_argument("--parent-pid", type=int, help="exit when this process dies")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    parser.add_argument(
+        "--heartbeat-interval", type=_seconds, default=1.0, help="seconds, > 0 (default 1)"
+    )
     parser.add_argument(
         "--register-timeout",
-        type=float,
+        type=_seconds,
         help=f"seconds to wait for the pool (default: {REGISTER_TIMEOUT_S:g} for local workers, "
         "forever for --env)",
     )
@@ -92,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads in this worker (0: torch's default, one per core; "
         f"default: ${WORKER_THREADS_VAR}, else 1)",
     )
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="default WARNING"
+    )
     return parser
 
 
@@ -101,6 +133,31 @@ def _threads(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"--torch-threads must be >= 0, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A duration in seconds: finite and > 0 (0 would make a heartbeat loop spin)."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+_ENDPOINT = re.compile(r"(tcp://(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):\d+|ipc://\S+)")
+
+
+def _endpoint(text: str) -> str:
+    """A ZeroMQ endpoint a worker can connect to: ``tcp://HOST:PORT`` (or ``ipc://PATH``)."""
+    if not _ENDPOINT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must look like tcp://HOST:PORT, got {text!r}")
+    return text
 
 
 def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
@@ -112,84 +169,120 @@ def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
     return list(payload["indices"]), recipes
 
 
-def _recipes_from_args(args: argparse.Namespace) -> tuple[list[int], list[EnvRecipe]]:
+def _recipes_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[int], list[EnvRecipe]]:
     if not args.env:
-        raise SystemExit("python -m workers: give --env package.module:callable or --maker-stdin")
+        parser.error("give --env package.module:callable or --maker-stdin")
     indices = (
         [int(i) for i in args.env_indices.split(",")]
         if args.env_indices
         else list(range(args.num_envs))
     )
     args.num_envs = len(indices)
-    return indices, [recipe_from_name(args.env, kw) for kw in _kwargs_list(args)]
+    kwargs = _kwargs_list(parser, args)
+    try:  # checked here, once: not in each env process, restarted for ever
+        recipes = [recipe_from_name(args.env, kw) for kw in kwargs]
+    except (ImportError, AttributeError, ValueError) as err:
+        parser.error(f"--env {args.env}: {type(err).__name__}: {err}")
+    if not callable(recipes[0].maker):
+        parser.error(f"--env {args.env} is a {type(recipes[0].maker).__name__}, not a callable")
+    return indices, recipes
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """``python -m workers``: see ``--help``."""
-    return run(argv)
+    return run(argv, prog=prog)
 
 
-def run(argv: list[str] | None, maker_payload: bytes | None = None) -> int:
+def run(argv: list[str] | None, maker_payload: bytes | None = None, prog: str = PROG) -> int:
     """Run a worker; ``maker_payload`` replaces stdin for ``--maker-stdin`` (the fork server)."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(message)s")
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(message)s")
     die_with_parent(args.parent_pid)
     if args.maker_stdin:
         data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
         indices, recipes = _recipes_from_payload(data)
     else:
-        indices, recipes = _recipes_from_args(args)
+        indices, recipes = _recipes_from_args(parser, args)
     remote = not args.env_indices and not args.maker_stdin
+    slots = _slots(parser, args) if remote else None  # before any env process is forked
     keys = _client_keys(args)
     if remote and not args.single_process:
-        run_child = functools.partial(_serve_remote_child, args, keys)
-        return Supervisor(args.num_envs, run_child, args.identity).run()
+        run_child = functools.partial(_serve_remote_child, args, keys, slots)
+        supervisor = Supervisor(args.num_envs, run_child, args.identity)
+        code = supervisor.run()
+        if code:
+            print(f"{args.prog}: gave up: {supervisor.failure()}", file=sys.stderr)
+        return code
     # Unguessable by default: see workers/supervise.py on routing identities.
     default = f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(8)}"
     identity = (args.identity or default).encode()
-    return serve(args, identity, indices, recipes, remote, keys, _slots(args) if remote else None)
+    try:
+        return serve(args, identity, indices, recipes, remote, keys, slots)
+    except KeyboardInterrupt:  # Ctrl-C: serve closed the worker; no traceback
+        return 130
 
 
 def _client_keys(args: argparse.Namespace) -> ClientKeys | None:
+    """The CURVE keys of ``--server-key`` and ``--client-key``; a one-line exit if unusable."""
     if bool(args.server_key) != bool(args.client_key):
-        raise SystemExit("python -m workers: give both --server-key and --client-key, or neither")
+        raise SystemExit(f"{args.prog}: give both --server-key and --client-key, or neither")
     if not args.server_key:
         return None
+    for flag, path in (("--server-key", args.server_key), ("--client-key", args.client_key)):
+        if not os.path.exists(path):
+            raise SystemExit(f"{args.prog}: {flag} {path}: no such file")
+        if not os.path.isfile(path):
+            raise SystemExit(f"{args.prog}: {flag} {path}: not a file")
     try:
         return ClientKeys.from_files(args.server_key, args.client_key)
     except InsecureKeyFileError as err:  # a secret others can read: say how to fix it, no traceback
-        raise SystemExit(f"python -m workers: {err}") from None
+        raise SystemExit(f"{args.prog}: {err}") from None
+    except (OSError, ValueError) as err:  # unreadable, not a key file, a public key as secret
+        raise SystemExit(f"{args.prog}: {err}") from None
 
 
 def _serve_remote_child(
-    args: argparse.Namespace, keys: ClientKeys | None, k: int, identity: bytes
+    args: argparse.Namespace,
+    keys: ClientKeys | None,
+    slots: list[int] | None,
+    k: int,
+    identity: bytes,
 ) -> int:
-    kwargs = _kwargs_list(args)[k]
-    slots = _slots(args)
+    kwargs = json.loads(args.kwargs)
+    kwargs = kwargs[k] if isinstance(kwargs, list) else kwargs
     mine = None if slots is None else [slots[k]]
     return serve(args, identity, [0], [recipe_from_name(args.env, kwargs)], True, keys, mine)
 
 
-def _slots(args: argparse.Namespace) -> list[int] | None:
+def _slots(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int] | None:
     if not args.slots:
         return None
-    slots = [int(i) for i in args.slots.split(",")]
+    try:
+        slots = [int(i) for i in args.slots.split(",")]
+    except ValueError:
+        parser.error(f"--slots must be comma-separated env indices, got {args.slots!r}")
     if len(slots) != args.num_envs:
-        raise SystemExit(f"python -m workers: --slots must name {args.num_envs} env indices")
+        parser.error(f"--slots must name {args.num_envs} env indices (--num-envs), got {slots}")
+    if min(slots) < 0 or len(set(slots)) != len(slots):
+        parser.error(f"--slots must name distinct env indices >= 0, got {slots}")
     return slots
 
 
-def _kwargs_list(args: argparse.Namespace) -> list[dict]:
+def _kwargs_list(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict]:
     """``--kwargs`` as one dict per env."""
-    kwargs = json.loads(args.kwargs)
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as err:
+        parser.error(f"--kwargs is not JSON ({err}): {args.kwargs!r}")
     if isinstance(kwargs, dict):
         return [kwargs] * args.num_envs
     one_per_env = isinstance(kwargs, list) and len(kwargs) == args.num_envs
     if one_per_env and all(isinstance(k, dict) for k in kwargs):
         return kwargs
-    raise SystemExit(
-        f"python -m workers: --kwargs must be a JSON object or a list of {args.num_envs} objects"
-    )
+    parser.error(f"--kwargs must be a JSON object or a list of {args.num_envs} objects")
 
 
 def serve(
@@ -224,6 +317,7 @@ def serve(
     try:
         host = EnvHost.build(indices, recipes, args.torch_threads)
     except EnvMakerError as err:
+        note_failure(err.reason, maker=True)
         failed = connect(EnvHost({}))
         try:
             failed.report_maker_failure(err)
@@ -234,8 +328,10 @@ def serve(
     worker = connect(host)
     try:
         worker.register()
+        note_registered()
         worker.serve()
     except RegistrationError as err:
+        note_failure(str(err))
         log.error("%s", err)
         return REFUSED
     finally:

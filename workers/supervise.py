@@ -11,8 +11,12 @@ random bits, one per supervisor) keeps it unguessable: a ZeroMQ ROUTER keeps
 a routing identity for whoever connects with it first, so another key's
 holder who could name it (or its heartbeat socket's, ``<identity>!hb``)
 ahead of the worker would have the worker's messages ignored. A child that cannot
-register (exit code 2: refused by the pool for wrong specs or no free slot, or
-specs too large to send) is not restarted. SIGTERM or SIGINT (how Kubernetes,
+register (exit code 2: refused by the pool for wrong specs or no free slot, no
+answer within ``--register-timeout``, or specs too large to send) is not
+restarted; nor is one whose env maker failed ``MAX_MAKER_FAILURES`` times in a
+row before that child ever registered (a maker that cannot work). Once no child
+is left, the supervisor exits non-zero (2 if a child was refused, else 1), with
+a one-line error saying why each gave up. SIGTERM or SIGINT (how Kubernetes,
 SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
 SIGKILLs those still alive after a grace period, and exits 0.
 """
@@ -22,17 +26,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import secrets
 import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 log = logging.getLogger("workers")
 
 REFUSED = 2
+#: An env process whose env maker fails this many times in a row, before it ever
+#: registered, is not restarted: that maker cannot work (a bug, a missing package).
+MAX_MAKER_FAILURES = 5
 
 
 def die_with_parent(parent_pid: int | None) -> None:
@@ -52,6 +61,63 @@ _POLL_S = 0.1
 _STOP_GRACE_S = 3.0
 
 
+class _ChildNotes:
+    """What each child tells its supervisor besides its exit code, in memory shared at fork.
+
+    Per child: whether it ever registered with the pool, and the one-line reason
+    of its last failure (an env maker's error, a refusal), for the supervisor's
+    final error.
+    """
+
+    SIZE = 512
+
+    def __init__(self, count: int) -> None:
+        self.memory = mmap.mmap(-1, max(count, 1) * self.SIZE)
+
+    def registered(self, k: int) -> bool:
+        return self.memory[k * self.SIZE] == 1
+
+    def reason(self, k: int) -> str:
+        """The last failure child ``k`` noted, one line, or "" if none."""
+        raw = self.memory[k * self.SIZE + 2 : (k + 1) * self.SIZE]
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    def maker_failed(self, k: int) -> bool:
+        return self.memory[k * self.SIZE + 1] == 1
+
+    def clear_failure(self, k: int) -> None:
+        self.memory[k * self.SIZE + 1 : (k + 1) * self.SIZE] = bytes(self.SIZE - 1)
+
+    def note(
+        self, k: int, *, registered: bool = False, failure: str = "", maker: bool = False
+    ) -> None:
+        """In child ``k``: it registered, or it ends for ``failure`` (the maker's: ``maker``)."""
+        base = k * self.SIZE
+        if registered:
+            self.memory[base] = 1
+        if failure:
+            text = " ".join(failure.split()).encode()[: self.SIZE - 3]
+            self.clear_failure(k)
+            self.memory[base + 1] = int(maker)
+            self.memory[base + 2 : base + 2 + len(text)] = text
+
+
+#: In a supervised child: its notes and its number (None elsewhere).
+_mine: tuple[_ChildNotes, int] | None = None
+
+
+def note_registered() -> None:
+    """Tell the supervisor (if any) that this env process registered with the pool."""
+    if _mine is not None:
+        _mine[0].note(_mine[1], registered=True)
+
+
+def note_failure(reason: str, *, maker: bool = False) -> None:
+    """Tell the supervisor (if any) why this env process is about to give up."""
+    if _mine is not None:
+        _mine[0].note(_mine[1], failure=reason, maker=maker)
+
+
 class Supervisor:
     """Forks ``count`` children running ``run_child(k)`` and keeps them alive."""
 
@@ -63,6 +129,11 @@ class Supervisor:
         self.children: dict[int, int] = {}  # pid -> k
         self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
         self.restarts: dict[int, float] = {}  # k -> when to fork it again (time.monotonic())
+        self.maker_failures: dict[int, int] = {}  # k -> env maker failures in a row
+        #: k -> why that child was not restarted (one line each).
+        self.gave_up: dict[int, str] = {}
+        self.refused = False  # a child was refused by (or could not reach) the pool
+        self.notes = _ChildNotes(count)
         self.stopping = False
         self.prefix = prefix or f"{socket.gethostname()}-{os.getpid()}"
         self.nonce = secrets.token_hex(8)
@@ -74,15 +145,27 @@ class Supervisor:
     def start(self, k: int) -> None:
         identity = self.identity(k)
         supervisor = os.getpid()
+        self.notes.clear_failure(k)  # before the fork: a quick child may note its own at once
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                global _mine
+                _mine = (self.notes, k)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 die_with_parent(supervisor)  # no orphan env process if the supervisor dies
                 code = self.run_child(k, identity)
+            except SystemExit as exit_:  # os._exit below would swallow its message
+                code = _exit_code(exit_)
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+                    note_failure(exit_.code)
+            except BaseException as err:
+                traceback.print_exc()
+                note_failure(f"{type(err).__name__}: {err}")
             finally:
+                sys.stderr.flush()
                 os._exit(code)
         self.children[pid] = k
 
@@ -94,7 +177,19 @@ class Supervisor:
         while (self.children or self.restarts) and not self.stopping:
             self._reap_one()
         self._kill_all()
-        return 0
+        if self.stopping or not self.gave_up:
+            return 0
+        return REFUSED if self.refused else 1
+
+    def failure(self) -> str:
+        """Why the children were not restarted, one line: ``env processes K, L: REASON; ...``."""
+        by_reason: dict[str, list[int]] = {}
+        for k, why in sorted(self.gave_up.items()):
+            by_reason.setdefault(why, []).append(k)
+        return "; ".join(
+            f"env process{'es' if len(ks) > 1 else ''} {', '.join(map(str, ks))}: {why}"
+            for why, ks in by_reason.items()
+        )
 
     def _reap_one(self) -> None:
         """Reap a child that died and schedule its restart, or wait at most ``_POLL_S``.
@@ -116,9 +211,25 @@ class Supervisor:
         code = os.waitstatus_to_exitcode(status)
         if k is None or self.stopping:
             return
+        reason = self.notes.reason(k)
         if code == REFUSED:
             log.error("env process %d could not register with the pool; not restarting it", k)
+            self.gave_up[k] = reason or "could not register with the pool"
+            self.refused = True
             return
+        if self.notes.maker_failed(k) and not self.notes.registered(k):
+            failures = self.maker_failures[k] = self.maker_failures.get(k, 0) + 1
+            if failures >= MAX_MAKER_FAILURES:
+                log.error(
+                    "env process %d: its env maker failed %d times in a row and it never "
+                    "registered; not restarting it",
+                    k,
+                    failures,
+                )
+                self.gave_up[k] = f"its env maker failed {failures} times in a row: {reason}"
+                return
+        else:
+            self.maker_failures.pop(k, None)
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
         log.warning("env process %d (pid %d) ended (%d); restarting in %.2f s", k, pid, code, delay)
@@ -158,3 +269,10 @@ class Supervisor:
             if not self.children:
                 return
         log.error("env processes %s outlived SIGKILL; leaving them", sorted(self.children))
+
+
+def _exit_code(exit_: SystemExit) -> int:
+    """The process exit code ``sys.exit(code)`` means (a message: 1)."""
+    if exit_.code is None:
+        return 0
+    return exit_.code if isinstance(exit_.code, int) else 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -37,6 +38,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 
@@ -65,9 +73,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0, help="pool.set_seed(SEED) (default 0)")
     demo.add_argument(
         "--step-timeout",
-        type=float,
+        type=_positive_seconds,
         default=60.0,
-        help="a step longer than this many seconds is hung: its env is restarted (default 60)",
+        help="a step longer than this many seconds (> 0) is hung: its env is restarted "
+        "(default 60)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_cmd_demo)
@@ -83,7 +92,12 @@ def _add_keygen(sub: argparse._SubParsersAction) -> None:
     )
     keygen.add_argument("dir", type=Path, help="directory to create or fill (must be private)")
     keygen.add_argument("--workers", type=_positive_int, default=1, help="worker pairs (default 1)")
-    keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
+    keygen.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite existing key files (without it, any key file in DIR is left alone: "
+        "keygen refuses)",
+    )
     keygen.set_defaults(handler=_cmd_keygen)
 
 
@@ -161,7 +175,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _run_worker(argv: list[str]) -> int:
     from workers.cli import main as worker_main
 
-    return worker_main(argv)
+    return worker_main(argv, prog=f"{PROG} worker")
 
 
 def _run_bench(argv: list[str]) -> int:
@@ -195,6 +209,13 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         pairs = write_keys(args.dir, args.workers, args.force)
     except ValueError as err:
         print(f"{PROG} keygen: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path under a file, a read-only or virtual file system (/proc)
+        culprit = f" ({err.filename})" if err.filename else ""
+        print(
+            f"{PROG} keygen: cannot write keys into {args.dir}: {err.strerror}{culprit}",
+            file=sys.stderr,
+        )
         return 2
     # write_keys returns paths as DIR was given (relative to the cwd if DIR is);
     # both sides made absolute the same way (lexically), so either form lists the same.

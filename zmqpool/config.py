@@ -6,6 +6,7 @@ Tests shrink these instead of sleeping longer; each field carries its unit.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from zmqpool.codec import ZERO_COPY_THRESHOLD
 
@@ -20,6 +21,40 @@ _BOOL_FIELDS = (
 
 #: Fields whose None means "not set" (documented at each).
 _OPTIONAL_FIELDS = ("step_timeout_s", "max_slots_per_key", "worker_torch_threads")
+
+#: Whole-number fields and their least value.
+_INT_FIELDS = {
+    "heartbeat_liveness": 1,
+    "max_restarts": 0,
+    "zero_copy_threshold_bytes": 0,
+    "max_remote_frame_bytes": 1,
+    "max_remote_spec_bytes": 1,
+    "max_slots_per_key": 1,
+    "worker_torch_threads": 0,
+}
+
+#: Durations that may be 0 (every other one must be > 0); none may be NaN or infinite.
+_ZERO_OK_SECONDS = ("close_timeout_s", "restart_backoff_s", "restart_backoff_max_s")
+
+
+class PoolConfigTypeError(TypeError, ValueError):
+    """A :class:`PoolConfig` field of the wrong type.
+
+    A TypeError; also a ValueError, which this error was before it had a type of its own.
+    """
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """A duration: a finite real number, > 0 (or >= 0 for those in ``_ZERO_OK_SECONDS``)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise PoolConfigTypeError(f"PoolConfig.{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"PoolConfig.{name} must be a finite number of seconds, got {value!r}")
+    if name in _ZERO_OK_SECONDS:
+        if value < 0:
+            raise ValueError(f"PoolConfig.{name} must be >= 0, got {value!r}")
+    elif value <= 0:
+        raise ValueError(f"PoolConfig.{name} must be > 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +144,30 @@ class PoolConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in _BOOL_FIELDS:
-                if not isinstance(value, bool):
-                    raise ValueError(f"PoolConfig.{field.name} must be a bool, got {value!r}")
-                continue
             if value is None and field.name in _OPTIONAL_FIELDS:
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"PoolConfig.{field.name} must be a number >= 0, got {value!r}")
-        if self.heartbeat_interval_s <= 0 or self.heartbeat_liveness < 1:
-            raise ValueError("PoolConfig heartbeats need an interval > 0 and a liveness >= 1")
-        threads = self.worker_torch_threads
-        if threads is not None and not isinstance(threads, int):
-            raise ValueError(f"PoolConfig.worker_torch_threads must be an int, got {threads!r}")
-        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
-            raise ValueError("PoolConfig.step_timeout_s must be > 0 or None")
+            if field.name in _BOOL_FIELDS:
+                if not isinstance(value, bool):
+                    raise PoolConfigTypeError(
+                        f"PoolConfig.{field.name} must be a bool, got {value!r}"
+                    )
+            elif field.name in _INT_FIELDS:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise PoolConfigTypeError(
+                        f"PoolConfig.{field.name} must be an int, got {value!r}"
+                    )
+                if value < _INT_FIELDS[field.name]:
+                    raise ValueError(
+                        f"PoolConfig.{field.name} must be >= {_INT_FIELDS[field.name]}, "
+                        f"got {value!r}"
+                    )
+            else:
+                _check_seconds(field.name, value)
+        if self.restart_backoff_s > self.restart_backoff_max_s:
+            raise ValueError(
+                f"PoolConfig.restart_backoff_s ({self.restart_backoff_s!r}) must not exceed "
+                f"PoolConfig.restart_backoff_max_s ({self.restart_backoff_max_s!r})"
+            )
 
     @property
     def heartbeat_timeout_s(self) -> float:

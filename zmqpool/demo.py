@@ -313,6 +313,6 @@ def print_report(opts: DemoOptions, result: DemoResult, out: TextIO = sys.stdout
     for env, t in enumerate(result.tallies):
         print(_row(env, t.steps, t.episodes, _fmt_return(t.mean_return), t.truncations), file=out)
     if opts.kill_one:
-        print(f"worker restarts: {result.restarts_seen}", file=out)
+        print(f"env restarts: {result.restarts_seen}", file=out)  # a worker's envs each count
     if result.stats_table:
         print(f"\npool.stats_table():\n{result.stats_table}", file=out)

@@ -149,6 +149,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
             # One maker and one kwargs dict per env: torchrl refuses this; it means N envs.
             env_makers = [env_makers] * len(create_env_kwargs)
+        if config is not None and not isinstance(config, PoolConfig):
+            hint = ": PoolConfig(**config)" if isinstance(config, dict) else ""
+            raise TypeError(f"config must be a PoolConfig{hint}, got {type(config).__name__}")
         if on_env_error not in ("raise", "restart"):
             raise ValueError(f"on_env_error must be 'raise' or 'restart', got {on_env_error!r}")
         launchers = _as_list(remote_workers)
@@ -168,6 +171,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             env_makers, create_env_kwargs, remote_envs
         )
         self.num_local_envs = len(env_makers) - remote_envs
+        for index, maker in enumerate(env_makers[: self.num_local_envs]):
+            if not callable(maker):  # before any process starts, not as the worker's EnvMakerError
+                raise TypeError(
+                    f"env maker {index} must be callable (a function or class making an env), "
+                    f"got {type(maker).__name__}: {maker!r:.80}"
+                )
         self.on_env_error = on_env_error
         self.config = config or PoolConfig()
         #: env indices whose results in the latest recv were synthesized by a restart.

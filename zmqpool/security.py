@@ -101,10 +101,15 @@ class ClientKeys:
     @classmethod
     def from_files(cls, server_key: str, client_secret_key: str) -> ClientKeys:
         server_public, _ = zmq.auth.load_certificate(server_key)
-        check_secret_file(client_secret_key)
         public, secret = zmq.auth.load_certificate(client_secret_key)
+        # A public key given for the secret one: say so first, not "chmod 600" (its usual mode
+        # is 0644), which would only lead to this same message.
         if secret is None:
-            raise ValueError(f"{client_secret_key} holds no secret key (use the .key_secret file)")
+            raise ValueError(
+                f"{client_secret_key} holds no secret key: give the .key_secret file, "
+                "not the public .key"
+            )
+        check_secret_file(client_secret_key)
         return cls(public, secret, server_public)
 
 
@@ -156,9 +161,11 @@ def _private_dir(directory: Path) -> None:
 
 
 def _check_no_keys(directory: Path, workers: int) -> None:
-    secrets = [directory / "server.key_secret"]
-    secrets += [directory / "workers" / f"worker-{i}.key_secret" for i in range(workers)]
-    existing = [str(p.relative_to(directory)) for p in secrets if p.exists()]
+    """Refuse to replace any key file (a public one too) or to empty ``authorized/``."""
+    names = ["server"] + [f"workers/worker-{i}" for i in range(workers)]
+    files = [directory / f"{name}.{ext}" for name in names for ext in ("key", "key_secret")]
+    files += sorted((directory / "authorized").glob("*.key"))
+    existing = [str(p.relative_to(directory)) for p in files if p.exists()]
     if existing:
         raise ValueError(f"{directory} already holds {existing}; pass --force to replace them")
 
