@@ -97,3 +97,25 @@ def test_a_maker_that_is_not_callable_is_refused_before_any_process_starts(maker
     with pytest.raises(TypeError, match=rf"env maker {len(makers) - 1} must be callable"):
         ZMQAsyncEnvPool(makers)
     assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, says",
+    [
+        ({"remote_envs": "2"}, TypeError, "remote_envs must be an int, got str"),
+        ({"remote_envs": -1}, ValueError, "remote_envs must be >= 0"),
+        ({"stack": "weird"}, NotImplementedError, "stack must be 'dense'"),  # torchrl's type
+        ({"remote_envs": 1, "bind": "garbage", "insecure": True}, ValueError, "tcp://HOST:PORT"),
+        (
+            {"remote_envs": 1, "bind": "tcp://127.0.0.1:*", "curve_keys": "/nonexistent/keys"},
+            FileNotFoundError,
+            "is not a directory",
+        ),
+    ],
+    ids=["remote_envs-str", "remote_envs-negative", "stack", "bind", "curve_keys"],
+)
+def test_bad_pool_arguments_are_refused_before_any_process_starts(kwargs, error, says):
+    start = time.monotonic()
+    with pytest.raises(error, match=says):
+        ZMQAsyncEnvPool([CountingEnv], **kwargs)
+    assert time.monotonic() - start < 1.0  # no worker was started first

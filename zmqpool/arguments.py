@@ -11,6 +11,8 @@ from typing import Any
 import zmq.auth
 from torchrl.envs import EnvBase
 
+from zmqpool.endpoints import tcp_endpoints
+
 log = logging.getLogger("zmqpool")
 
 
@@ -38,15 +40,25 @@ def with_remote_slots(env_makers: Any, kwargs: Any, remote: int) -> tuple[list, 
     return makers + [RemoteSlot()] * remote, list(kwargs) + [{}] * remote
 
 
+def check_remote_envs(remote_envs: Any) -> None:
+    if not isinstance(remote_envs, int) or isinstance(remote_envs, bool):
+        raise TypeError(f"remote_envs must be an int, got {type(remote_envs).__name__}")
+    if remote_envs < 0:
+        raise ValueError(f"remote_envs must be >= 0, got {remote_envs!r}")
+
+
 def check_network_args(remote: int, bind, keys, insecure: bool, local_transport: str) -> None:
-    if not isinstance(remote, int) or isinstance(remote, bool) or remote < 0:
-        raise ValueError(f"remote_envs must be a non-negative integer, got {remote!r}")
+    """The network arguments, checked before any process starts (a ValueError naming one)."""
+    check_remote_envs(remote)
     if remote and bind is None:
         raise ValueError("remote_envs needs bind='tcp://HOST:PORT' for the workers to reach")
     if local_transport not in ("ipc", "tcp"):
         raise ValueError(f"local_transport must be 'ipc' or 'tcp', got {local_transport!r}")
     if bind is None:
         return
+    tcp_endpoints(bind)  # its form: tcp://HOST:PORT
+    if keys not in (None, "in memory") and not os.path.isdir(keys):
+        raise FileNotFoundError(f"curve_keys {str(keys)!r} is not a directory (`zmqpool keygen`)")
     if local_transport == "tcp":
         raise ValueError(
             "local_transport='tcp' puts local workers on loopback ports without CURVE, which "

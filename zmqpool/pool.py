@@ -27,6 +27,7 @@ from torchrl.envs import AsyncEnvPool, EnvBase
 from zmqpool import interrupts
 from zmqpool.arguments import (
     check_network_args,
+    check_remote_envs,
     is_single_maker,
     public_key_of,
     with_remote_slots,
@@ -144,6 +145,10 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             )
         if backend == "threading":  # code written for torchrl's pool runs unchanged
             log.info("ZMQAsyncEnvPool runs envs in worker processes; backend='threading' is moot")
+        if stack not in ("dense", "maybe_dense", "lazy"):  # torchrl's type, with a message
+            raise NotImplementedError(
+                f"stack must be 'dense', 'maybe_dense' or 'lazy', got {stack!r}"
+            )
         if exchange not in (None, "queue", "shm", "auto"):
             raise ValueError(f"exchange must be 'queue', 'shm' or 'auto', got {exchange!r}")
         if is_single_maker(env_makers) and isinstance(create_env_kwargs, list):
@@ -159,6 +164,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise ValueError("ZMQAsyncEnvPool needs at least one env maker (or remote_envs)")
         # Launched workers get keys the pool makes: it can make its own pair in memory too.
         keys = curve_keys if curve_keys is not None else ("in memory" if launchers else None)
+        check_remote_envs(remote_envs)  # before the sum: "2" + True would be a TypeError of its own
         check_network_args(remote_envs + bool(launchers), bind, keys, insecure, local_transport)
         remote_envs += sum(launcher.num_envs for launcher in launchers)
         self.remote_workers = launchers
