@@ -242,6 +242,39 @@ def test_a_restarted_env_process_rejoins_after_its_predecessors_connection_linge
         stop(worker)
 
 
+def test_a_worker_that_lost_the_pool_in_a_link_drop_gets_its_requests_again(remote_host, key_dir):
+    """Chaos audit: the link drops while the trainer is idle; the worker, hearing no beats,
+    registers again. The pool, not having listened, still held it live, and answered
+    its REGISTER (the same process) as a duplicate: the WELCOME again, nothing more. The
+    worker had forgotten the link's layouts and dropped what came before the WELCOME, so
+    the next step was lost (its recv hung) or failed ("unknown layout id"). It now
+    registers again as a new incarnation: a rejoin, its step answered as a truncation."""
+    if remote_host.namespace is None:
+        pytest.skip(f"needs a network namespace: {remote_host.why_not}")
+    link = f"zp{remote_host.namespace.removeprefix('zmqp')}a"  # the pool's end (tests/netns.py)
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = remote_pool(remote_host, port, key_dir)
+    try:
+        pool.reset()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+        subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=10)
+        try:
+            time.sleep(2.5)  # past the worker's 1 s without the pool's beats
+        finally:
+            subprocess.run(["ip", "link", "set", link, "up"], check=True, timeout=10)
+        time.sleep(3.0)  # its REGISTER (maybe a few) reaches the pool, which reads it below
+        step(pool, [0])
+        out = pool.async_step_recv(min_get=1, timeout=30)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+    finally:
+        pool.close()
+        stop(worker)
+
+
 def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_host, key_dir):
     port = free_port_base(remote_host.pool_ip)
     first = start_remote_worker(

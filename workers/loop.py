@@ -453,6 +453,13 @@ class Worker:
     def _rejoin(self) -> None:
         """The pool went away or was replaced: forget its layouts, register again."""
         log.warning("the pool at %s went away or restarted; registering again", self.router)
+        # As a new process: a pool that still holds this worker live (it did not listen
+        # while the link was down) answered a REGISTER of the same incarnation as a
+        # duplicate, keeping the link whose layouts this worker forgets below (its next
+        # command failed: unknown layout id) and the commands this worker dropped while
+        # registering (their recv hung). A new incarnation makes it a rejoin: fresh
+        # codecs on both sides, its requests in flight sent again.
+        self.incarnation = os.urandom(8)
         with self._encoding:
             self.encoder.forget()
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
