@@ -25,6 +25,7 @@ from tests.conftest import start_remote_worker, stop
 from tests.netns import free_port_base
 from zmqpool import EnvLostError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
 from zmqpool.security import ClientKeys, make_client
+from zmqpool.testing import CountingEnv
 from zmqpool.wire import Command
 
 BEATS = PoolConfig(
@@ -180,6 +181,95 @@ def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote
         step(pool, [0])
         assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
         print(f"\nremote kill -> rejoin -> truncation: {rejoin_s:.2f} s")
+    finally:
+        pool.close()
+        stop(worker)
+
+
+class _LeavesItsConnectionsOpen(CountingEnv):
+    """Dies in its first step (the first process only, by ``marker``), its connections left open.
+
+    A child forked beforehand holds copies of the process's sockets for
+    ``hold_s``: the pool's side of each TCP connection stays up, as when the
+    FIN of a process killed during a link drop is lost.
+    """
+
+    def __init__(self, marker: str, hold_s: float) -> None:
+        super().__init__()
+        self.marker, self.hold_s = marker, hold_s
+
+    def _step(self, tensordict):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            if os.fork() == 0:
+                time.sleep(self.hold_s)
+                os._exit(0)
+            os._exit(3)
+        return super()._step(tensordict)
+
+
+def test_a_restarted_env_process_rejoins_after_its_predecessors_connection_lingered(
+    remote_host, key_dir, tmp_path
+):
+    """Chaos audit: the restarted process (same identity) connected while the pool still
+    held its predecessor's connection. libzmq's ROUTER (no handover) ignores a connection
+    whose identity another holds, and keeps ignoring it after that one closes: every
+    REGISTER it sent went nowhere, and the env never came back. A REGISTER left
+    unanswered now makes the worker connect again."""
+    port = free_port_base(remote_host.pool_ip)
+    kwargs = {"marker": str(tmp_path / "died"), "hold_s": 2.0}
+    worker = start_remote_worker(
+        remote_host,
+        port,
+        key_dir,
+        env="tests.test_remote:_LeavesItsConnectionsOpen",
+        kwargs=kwargs,
+        extra=FAST_BEATS,
+    )
+    pool = remote_pool(remote_host, port, key_dir)
+    try:
+        pool.reset()
+        step(pool, [0])  # the process dies in it; its host forks a new one at once
+        died_at = time.monotonic()
+        out = pool.async_step_recv(min_get=1, timeout=30)
+        rejoin_s = time.monotonic() - died_at
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+        print(f"\nold connection held 2 s -> rejoin -> truncation: {rejoin_s:.2f} s")
+    finally:
+        pool.close()
+        stop(worker)
+
+
+def test_a_worker_that_lost_the_pool_in_a_link_drop_gets_its_requests_again(remote_host, key_dir):
+    """Chaos audit: the link drops while the trainer is idle; the worker, hearing no beats,
+    registers again. The pool, not having listened, still held it live, and answered
+    its REGISTER (the same process) as a duplicate: the WELCOME again, nothing more. The
+    worker had forgotten the link's layouts and dropped what came before the WELCOME, so
+    the next step was lost (its recv hung) or failed ("unknown layout id"). It now
+    registers again as a new incarnation: a rejoin, its step answered as a truncation."""
+    if remote_host.namespace is None:
+        pytest.skip(f"needs a network namespace: {remote_host.why_not}")
+    link = f"zp{remote_host.namespace.removeprefix('zmqp')}a"  # the pool's end (tests/netns.py)
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = remote_pool(remote_host, port, key_dir)
+    try:
+        pool.reset()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+        subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=10)
+        try:
+            time.sleep(2.5)  # past the worker's 1 s without the pool's beats
+        finally:
+            subprocess.run(["ip", "link", "set", link, "up"], check=True, timeout=10)
+        time.sleep(3.0)  # its REGISTER (maybe a few) reaches the pool, which reads it below
+        step(pool, [0])
+        out = pool.async_step_recv(min_get=1, timeout=30)
+        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+        step(pool, [0])
+        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
     finally:
         pool.close()
         stop(worker)

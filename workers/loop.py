@@ -158,6 +158,10 @@ _IDLE_POLL_S = 0.0001
 #: doing (an env step in flight) before it leaves them to the process's exit.
 CLOSE_JOIN_S = 1.0
 
+#: How long a remote worker that connected again waits for the connection before its
+#: next REGISTER (a CURVE handshake: milliseconds, unless the network is down).
+_RECONNECT_WAIT_S = 1.0
+
 #: How long a worker waits for its pool's WELCOME (sending REGISTER again with
 #: backoff) before it gives up: the default of :class:`Worker` and of ``python -m
 #: workers``'s local workers, and as long as a pool waits for its envs by default
@@ -217,10 +221,7 @@ class Worker:
         #: DEALER's ``MAXMSGSIZE`` and its decoder's ``max_frame_bytes``. From the
         #: envs' specs, so build the envs before the worker (``workers.cli.serve``).
         self.frame_limit = command_frame_limit(host, router)
-        self.dealer = self._socket(zmq.DEALER, identity)
-        if remote_slots:
-            self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # no REGISTER queued for a pool not there
-        self._dealer_watch = self._connect(self.dealer, router, self.frame_limit)
+        self.dealer, self._dealer_watch = self._open_dealer()
         self.push: zmq.Socket | None = None
         self._push_watch: _DropWatch | None = None
         self.token = b""
@@ -245,6 +246,36 @@ class Worker:
         self._step_s: dict[int, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        #: Set by the main thread: the heartbeat thread's DEALER is to connect again.
+        self._renew_beat = threading.Event()
+
+    def _open_dealer(self) -> tuple[zmq.Socket, _DropWatch | None]:
+        """The DEALER to the pool's ROUTER, connected (with its watch, over TCP)."""
+        dealer = self._socket(zmq.DEALER, self.identity)
+        if self.remote_slots:
+            dealer.setsockopt(zmq.IMMEDIATE, 1)  # no REGISTER queued for a pool not there
+        return dealer, self._connect(dealer, self.router, self.frame_limit)
+
+    def _reconnect_dealer(self) -> None:
+        """A new DEALER, so a new connection: the pool's ROUTER may be ignoring this one.
+
+        libzmq's ROUTER (without ``ROUTER_HANDOVER``, see DESIGN_NOTES) ignores
+        a connection presenting an identity another connection holds, and keeps
+        ignoring it after that one closes (libzmq 4.3): a restarted env process
+        (the same identity) that connects while the pool still holds its
+        predecessor's connection (its FIN lost in a link drop, or not yet read)
+        would send REGISTER after REGISTER into nothing. A REGISTER left
+        unanswered makes it connect again: once the old connection is gone
+        (the pool's REJOIN to a dead peer is answered by a reset), the new one
+        is heard. Messages queued on the old socket are dropped: unanswered
+        REGISTERs, or what the pool sent a worker that is registering again.
+        """
+        rcvtimeo = self.dealer.rcvtimeo
+        if self._dealer_watch is not None:
+            self._dealer_watch.close()
+        self.dealer.close()
+        self.dealer, self._dealer_watch = self._open_dealer()
+        self.dealer.rcvtimeo = rcvtimeo
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
         sock = self.context.socket(kind)
@@ -350,11 +381,18 @@ class Worker:
         while deadline is None or time.monotonic() < deadline:
             if self._dealer_watch is not None:
                 self._dealer_watch.check()
+            sent = False
             with contextlib.suppress(zmq.Again):  # not connected yet (IMMEDIATE): retry
                 self.dealer.send(message, zmq.NOBLOCK)
+                sent = True
             header = self._await_registration_reply(wait_s, deadline)
             if header is not None:
                 return header
+            if sent and self.remote_slots:  # sent and unanswered: maybe into nothing
+                self._reconnect_dealer()
+                # Connected again (IMMEDIATE: writable once connected) before the next try.
+                wait = _RECONNECT_WAIT_S if deadline is None else deadline - time.monotonic()
+                self.dealer.poll(max(1, int(min(wait, _RECONNECT_WAIT_S) * 1000)), zmq.POLLOUT)
             wait_s = min(2 * wait_s, 5.0)
         raise RegistrationError(
             f"no answer from the pool at {self.router} within {timeout} s (is it up? "
@@ -415,6 +453,13 @@ class Worker:
     def _rejoin(self) -> None:
         """The pool went away or was replaced: forget its layouts, register again."""
         log.warning("the pool at %s went away or restarted; registering again", self.router)
+        # As a new process: a pool that still holds this worker live (it did not listen
+        # while the link was down) answered a REGISTER of the same incarnation as a
+        # duplicate, keeping the link whose layouts this worker forgets below (its next
+        # command failed: unknown layout id) and the commands this worker dropped while
+        # registering (their recv hung). A new incarnation makes it a rejoin: fresh
+        # codecs on both sides, its requests in flight sent again.
+        self.incarnation = os.urandom(8)
         with self._encoding:
             self.encoder.forget()
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
@@ -535,6 +580,11 @@ class Worker:
         elif kind == Command.REJOIN:  # set aside (its token void): register again
             if self.remote_slots:
                 log.warning("the pool set this worker aside; registering again")
+                # The heartbeat socket connects again too: the pool may have heard no beats
+                # because its ROUTER ignores that connection (see _reconnect_dealer). Not on
+                # every rejoin: while the link is down, the old connection's FIN would be
+                # lost and the new one could be ignored for that very reason.
+                self._renew_beat.set()
                 self.pool_lost.set()
         elif kind not in (Command.PING, Command.WELCOME):  # WELCOME: a repeat
             self._execute(command, inline)
@@ -865,16 +915,26 @@ class Worker:
         body = Failed.clipped(f"{what}: {text}", trace, kind, builtin_base(err)).to_body()
         return [Header(Command.ERROR, header.env, header.seq, self.token, body=body).encode()]
 
+    def _open_beat(self) -> tuple[zmq.Socket, _DropWatch | None]:
+        """The heartbeat thread's DEALER, connected (with its watch, over TCP)."""
+        beat = self._socket(zmq.DEALER, self.identity + b"!hb")
+        # The pool sends this DEALER nothing; a header is the most it could.
+        return beat, self._connect(beat, self.router, MAX_HEADER_BYTES)
+
     def _heartbeat_loop(self) -> None:
         # Its own sockets: zmq sockets are not thread-safe, and a long env step
         # in the main thread must not silence the heartbeats.
-        beat = self._socket(zmq.DEALER, self.identity + b"!hb")
-        # The pool sends this DEALER nothing; a header is the most it could.
-        beat_watch = self._connect(beat, self.router, MAX_HEADER_BYTES)
+        beat, beat_watch = self._open_beat()
         message = Header(Command.HEARTBEAT).encode()
         watch = _PoolWatch(self)
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
+                if self._renew_beat.is_set():  # set aside: maybe ignored, as the DEALER may be
+                    self._renew_beat.clear()
+                    if beat_watch is not None:
+                        beat_watch.close()
+                    beat.close()
+                    beat, beat_watch = self._open_beat()
                 if beat_watch is not None:
                     beat_watch.check()
                 with contextlib.suppress(zmq.Again):  # a full queue: the pool is away

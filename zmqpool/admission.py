@@ -158,6 +158,8 @@ class Registrar:
         self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
         #: When a REGISTER that found no room first waited, by identity.
         self._waiting_since: dict[bytes, float] = {}
+        #: Admitted workers whose last WELCOME could not be routed (see _on_register).
+        self._unwelcomed: set[bytes] = set()
         self.revoked: set[str] = set()
         self.remote_spec_data = None if remote_spec is None else spec_to_data(remote_spec)
 
@@ -315,9 +317,24 @@ class Registrar:
         if record is None:  # a duplicate: our WELCOME was lost; say it again
             known = self.roster.worker(identity)
             if known is not None and known.link is not None:
-                self._send_welcome(known.link)
+                lost = identity in self._unwelcomed
+                if self._send_welcome(known.link) and lost and known.remote:
+                    self._resend_after_lost_welcome(known, reg)
             return
         self._welcome(record, reg, specs, remote)
+
+    def _resend_after_lost_welcome(self, record: WorkerRecord, reg: Register) -> None:
+        """A remote worker's WELCOME could not be routed: what followed it is sent again.
+
+        It came from a connection the worker had left (it connects again when a
+        REGISTER goes unanswered, ``workers.loop``), read after the worker left
+        it: the WELCOME and the requests sent after it (a rejoin's, as resets)
+        went nowhere. Now it is heard again, they go again, with the layouts
+        they name (a late reply to the first sending is void).
+        """
+        assert record.link is not None
+        record.link.encoder.forget()
+        self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, True))
 
     def _admit(
         self, identity: bytes, key: str | None, reg: Register, remote: bool
@@ -430,7 +447,8 @@ class Registrar:
         self._send_welcome(link)
         self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, rejoin))
 
-    def _send_welcome(self, link: Link) -> None:
+    def _send_welcome(self, link: Link) -> bool:
+        """Route ``link``'s WELCOME; whether it could be (noted for a duplicate REGISTER)."""
         tcp = self.broker.tcp if link.remote else None
         limit = link.decoder.max_frame_bytes
         welcome = Welcome(
@@ -444,7 +462,12 @@ class Registrar:
             max_frame=limit,
         )
         header = Header(Command.WELCOME, body=welcome.to_body())
-        self.broker.route(link.identity, [header.encode()], link.remote)
+        routed = self.broker.route(link.identity, [header.encode()], link.remote)
+        if routed:
+            self._unwelcomed.discard(link.identity)
+        elif len(self._unwelcomed) < _MAX_WAITING:  # identities of admitted workers only
+            self._unwelcomed.add(link.identity)
+        return routed
 
 
 def peer_key(frame: zmq.Frame) -> str | None:

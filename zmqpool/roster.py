@@ -29,7 +29,9 @@ Remote workers register with a stable identity and a fresh *incarnation* id
 per process: a new identity takes free remote slots (never filled, or left
 by a worker that went silent); a known identity gets its own slots back;
 the same incarnation again is a duplicate REGISTER, answered without
-disturbing anything.
+disturbing the roster (the WELCOME again; and a remote worker's requests in
+flight, if its last WELCOME could not be routed). A remote worker that
+registers again while its process lives does so as a new incarnation.
 """
 
 from __future__ import annotations
