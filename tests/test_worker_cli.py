@@ -289,12 +289,17 @@ def test_the_zmqpool_worker_command_names_itself(capsys):
 
 def test_ctrl_c_of_a_single_process_worker_is_status_130_without_a_traceback(monkeypatch):
     closed = []
+    close = cli.Worker.close
 
     def interrupted(self):
         raise KeyboardInterrupt
 
+    def closing(self):  # really closed: a leaked worker's context blocks a later GC in term()
+        closed.append(self)
+        close(self)
+
     monkeypatch.setattr(cli.Worker, "register", interrupted)
-    monkeypatch.setattr(cli.Worker, "close", lambda self: closed.append(self))
+    monkeypatch.setattr(cli.Worker, "close", closing)
     argv = ["--connect", "tcp://127.0.0.1:9", "--env", "zmqpool.testing:CountingEnv"]
     assert cli.run([*argv, "--single-process"]) == 130
     assert len(closed) == 1
