@@ -5,8 +5,10 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,14 @@ def context():
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def unused_port() -> Iterator[int]:
+    """A port bound (so no one else takes it) but never listened on: connections are refused."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()

@@ -175,15 +175,24 @@ def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote
         killed_at = time.monotonic()
         for pid in ns_children(worker):
             os.kill(pid, signal.SIGKILL)
-        out = pool.async_step_recv(min_get=1, timeout=60)
-        rejoin_s = time.monotonic() - killed_at
-        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
-        step(pool, [0])
-        assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+        rejoin_s = truncated_then_steps_on(pool, killed_at, timeout=60)
         print(f"\nremote kill -> rejoin -> truncation: {rejoin_s:.2f} s")
     finally:
         pool.close()
         stop(worker)
+
+
+def truncated_then_steps_on(pool, since: float, timeout: float) -> float:
+    """Env 0's request in flight is answered by a restart's truncation, then env 0 steps on.
+
+    Returns the seconds from ``since`` to the truncation.
+    """
+    out = pool.async_step_recv(min_get=1, timeout=timeout)
+    took = time.monotonic() - since
+    assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
+    step(pool, [0])
+    assert pool.async_step_recv(min_get=1, timeout=timeout)["next", "observation"][0, 1] == 1
+    return took
 
 
 class _LeavesItsConnectionsOpen(CountingEnv):
@@ -231,11 +240,7 @@ def test_a_restarted_env_process_rejoins_after_its_predecessors_connection_linge
         pool.reset()
         step(pool, [0])  # the process dies in it; its host forks a new one at once
         died_at = time.monotonic()
-        out = pool.async_step_recv(min_get=1, timeout=30)
-        rejoin_s = time.monotonic() - died_at
-        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
-        step(pool, [0])
-        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+        rejoin_s = truncated_then_steps_on(pool, died_at, timeout=30)
         print(f"\nold connection held 2 s -> rejoin -> truncation: {rejoin_s:.2f} s")
     finally:
         pool.close()
@@ -266,10 +271,7 @@ def test_a_worker_that_lost_the_pool_in_a_link_drop_gets_its_requests_again(remo
             subprocess.run(["ip", "link", "set", link, "up"], check=True, timeout=10)
         time.sleep(3.0)  # its REGISTER (maybe a few) reaches the pool, which reads it below
         step(pool, [0])
-        out = pool.async_step_recv(min_get=1, timeout=30)
-        assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
-        step(pool, [0])
-        assert pool.async_step_recv(min_get=1, timeout=30)["next", "observation"][0, 1] == 1
+        truncated_then_steps_on(pool, time.monotonic(), timeout=30)
     finally:
         pool.close()
         stop(worker)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,17 +47,6 @@ def _live(predicate) -> list[int]:
             if stat is not None and stat[0] != "Z" and predicate(*stat):
                 found.append(int(entry))
     return found
-
-
-@pytest.fixture
-def unused_port() -> Iterator[int]:
-    """A port bound (so no one else takes it) but never listened on: connections are refused."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -124,14 +111,11 @@ print(code, round(time.monotonic() - started, 2))
 """
 
 
-def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refused_one(tmp_path):
-    """Restarts are scheduled, not slept through: a refused child is not forked again, a dead
-    one is (0.05 s, then 0.1 s later), and the supervisor ends once every child is refused,
-    with the status of a refusal (2: a job runner must see that the worker failed)."""
-    runs = tmp_path / "runs"
+def run_supervisor_script(script: str, runs) -> str:
+    """Run ``script`` (a Supervisor driven in-process) with ``runs`` as its argument; its stdout."""
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
-        [sys.executable, "-c", RESTARTS, str(runs)],
+        [sys.executable, "-c", script, str(runs)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -139,7 +123,15 @@ def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refuse
         env={**os.environ, "PYTHONPATH": pythonpath},
     )
     assert out.returncode == 0, out.stderr
-    code, took = out.stdout.split()
+    return out.stdout
+
+
+def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refused_one(tmp_path):
+    """Restarts are scheduled, not slept through: a refused child is not forked again, a dead
+    one is (0.05 s, then 0.1 s later), and the supervisor ends once every child is refused,
+    with the status of a refusal (2: a job runner must see that the worker failed)."""
+    runs = tmp_path / "runs"
+    code, took = run_supervisor_script(RESTARTS, runs).split()
     assert code == "2"
     assert sorted(runs.read_text().split()) == ["0", "1", "1", "1"]
     assert 0.15 <= float(took) < 10.0
@@ -180,17 +172,7 @@ def test_the_supervisor_gives_up_on_a_maker_that_never_worked_not_on_one_that_di
     from workers.supervise import MAX_MAKER_FAILURES
 
     runs = tmp_path / "runs"
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    out = subprocess.run(
-        [sys.executable, "-c", MAKER_FAILURES, str(runs)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": pythonpath},
-    )
-    assert out.returncode == 0, out.stderr
-    code, failure = out.stdout.strip().splitlines()
+    code, failure = run_supervisor_script(MAKER_FAILURES, runs).strip().splitlines()
     started = runs.read_text().split()
     assert started.count("1") == MAX_MAKER_FAILURES
     assert started.count("0") == MAX_MAKER_FAILURES + 3

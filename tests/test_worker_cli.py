@@ -11,7 +11,6 @@ and a one-line error, not restart its env process for ever.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -50,17 +49,6 @@ def helpers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (where / "badmakers.py").write_text(textwrap.dedent(MAKERS))
     write_keys(where / "keys", 1)
     return where
-
-
-@pytest.fixture(scope="module")
-def unused_port() -> Iterator[int]:
-    """A port bound (so no one else takes it) but never listened on: connections are refused."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 def _worker(port: int, *extra: str) -> list[str]:

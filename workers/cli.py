@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -31,6 +30,7 @@ from workers.supervise import (
     note_failure,
     note_registered,
 )
+from zmqpool.argtypes import positive_int, positive_seconds
 from zmqpool.errors import EnvMakerError, RegistrationError
 from zmqpool.security import ClientKeys, InsecureKeyFileError
 
@@ -74,7 +74,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-envs",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="envs to host with --env: one process each, restarted when it dies (an env "
         f"process whose env maker fails {MAX_MAKER_FAILURES} times in a row before it ever "
@@ -108,11 +108,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument("--parent-pid", type=int, help="exit when this process dies")
     parser.add_argument(
-        "--heartbeat-interval", type=_seconds, default=1.0, help="seconds, > 0 (default 1)"
+        "--heartbeat-interval", type=positive_seconds, default=1.0, help="seconds, > 0 (default 1)"
     )
     parser.add_argument(
         "--register-timeout",
-        type=_seconds,
+        type=positive_seconds,
         help=f"seconds to wait for the pool (default: {REGISTER_TIMEOUT_S:g} for local workers, "
         "forever for --env)",
     )
@@ -132,21 +132,6 @@ def _threads(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"--torch-threads must be >= 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A duration in seconds: finite and > 0 (0 would make a heartbeat loop spin)."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 

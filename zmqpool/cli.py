@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from zmqpool.argtypes import positive_int, positive_seconds
+
 PROG = "zmqpool"
 #: the demo's env; torch is imported only when a command needs it, not for --help.
 DEFAULT_ENV = "zmqpool.demo:cartpole"
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -55,10 +42,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Build a local pool, step it the way an async trainer does "
         "(send to all, recv min_get=1, resend to those that came back), print env-steps/s.",
     )
-    demo.add_argument("--num-envs", type=_positive_int, default=4, help="envs (default 4)")
-    demo.add_argument("--steps", type=_positive_int, default=2000, help="env-steps (default 2000)")
+    demo.add_argument("--num-envs", type=positive_int, default=4, help="envs (default 4)")
+    demo.add_argument("--steps", type=positive_int, default=2000, help="env-steps (default 2000)")
     demo.add_argument(
-        "--envs-per-worker", type=_positive_int, default=1, help="envs per process (default 1)"
+        "--envs-per-worker", type=positive_int, default=1, help="envs per process (default 1)"
     )
     demo.add_argument(
         "--env",
@@ -73,7 +60,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0, help="pool.set_seed(SEED) (default 0)")
     demo.add_argument(
         "--step-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=60.0,
         help="a step longer than this many seconds (> 0) is hung: its env is restarted "
         "(default 60)",
@@ -91,7 +78,7 @@ def _add_keygen(sub: argparse._SubParsersAction) -> None:
         "public keys (the pool's allow-list). Directories get mode 0700, secrets 0600.",
     )
     keygen.add_argument("dir", type=Path, help="directory to create or fill (must be private)")
-    keygen.add_argument("--workers", type=_positive_int, default=1, help="worker pairs (default 1)")
+    keygen.add_argument("--workers", type=positive_int, default=1, help="worker pairs (default 1)")
     keygen.add_argument(
         "--force",
         action="store_true",
