@@ -24,6 +24,8 @@ import zmq
 from hostile import Peer, Victim, client_keys, unknown_keys, wait_until
 
 from tests.netns import free_port_base
+from zmqpool.protocol import Failed, FailureKind
+from zmqpool.remote_failures import MAX_KEYS, RemoteFailures
 
 HOST = "127.0.0.1"
 MB = 1 << 20
@@ -394,6 +396,17 @@ def test_construction_survives_a_hostile_remote_peer(tmp_path, key_dir, context,
         f"{attack}: the pool's construction raised {result['type']}: {result['error']}"
         f"{'' if probe else ' (it never answered the REGISTER sent after the attack)'}"
     )
+
+
+def test_remote_start_failures_are_bounded_and_name_the_latest():
+    """A key flooding FAILEDs, or many keys failing, cost a bounded note: the latest are named."""
+    failures = RemoteFailures()
+    for i in range(10 * MAX_KEYS):
+        failed = Failed.clipped(f"error {i}", "", FailureKind.MAKER)
+        failures.note(f"key-{i % (2 * MAX_KEYS)}", failed)
+    assert len(failures) == MAX_KEYS
+    latest = [f"error {i}" for i in range(10 * MAX_KEYS - 1, 10 * MAX_KEYS - 4, -1)]
+    assert re.findall(r"error \d+", failures.summary()) == latest
 
 
 # ---------------------------------------------------------------- heavy headers

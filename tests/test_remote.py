@@ -24,6 +24,7 @@ from tensordict import TensorDict
 from tests.conftest import start_remote_worker, stop
 from tests.netns import free_port_base
 from zmqpool import EnvLostError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
+from zmqpool.arguments import public_key_of
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.testing import CountingEnv
 from zmqpool.wire import Command
@@ -160,6 +161,26 @@ def test_construction_names_the_missing_remote_envs_and_the_endpoint(remote_host
     with pytest.raises(RegistrationError) as info:
         remote_pool(remote_host, port, key_dir, config=config)
     assert "[0]" in str(info.value) and f"{remote_host.pool_ip}:{port}" in str(info.value)
+
+
+def test_a_remote_workers_env_maker_error_reaches_the_trainer(remote_host, key_dir, caplog):
+    """The worker never registers; the trainer's error and log still say why, and whose key."""
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, kwargs={"no_such_argument": 1})
+    # Its host tries 5 times (a few seconds) and gives up; the trainer waits its deadline.
+    config = PoolConfig(register_timeout_s=20.0)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="zmqpool"),
+            pytest.raises(RegistrationError) as info,
+        ):
+            remote_pool(remote_host, port, key_dir, config=config)
+    finally:
+        stop(worker)
+    text = str(info.value)
+    assert "could not start (maker)" in text and "no_such_argument" in text, text
+    assert public_key_of(key_dir / "authorized" / "worker-0.key") in text, text
+    assert any("no_such_argument" in record.getMessage() for record in caplog.records)
 
 
 def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote_host, key_dir):

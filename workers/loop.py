@@ -161,6 +161,8 @@ CLOSE_JOIN_S = 1.0
 #: How long a remote worker that connected again waits for the connection before its
 #: next REGISTER (a CURVE handshake: milliseconds, unless the network is down).
 _RECONNECT_WAIT_S = 1.0
+#: How long a remote worker whose env maker failed waits to be connected, to say so.
+_FAILED_CONNECT_WAIT_MS = 2000
 
 #: How long a worker waits for its pool's WELCOME (sending REGISTER again with
 #: backoff) before it gives up: the default of :class:`Worker` and of ``python -m
@@ -956,7 +958,10 @@ class Worker:
 
     def _send_failed(self, env: int, failed: Failed) -> None:
         message = Header(Command.FAILED, env, body=failed.to_body()).encode()
-        # A remote worker's DEALER (IMMEDIATE) may not be connected yet: never block on it.
+        if self.remote_slots:
+            # Its DEALER (IMMEDIATE) takes a message once connected: a CURVE handshake
+            # away. Not for ever: a pool that is not there hears nothing, and we exit.
+            self.dealer.poll(_FAILED_CONNECT_WAIT_MS, zmq.POLLOUT)
         with contextlib.suppress(zmq.Again):
             self.dealer.send(message, zmq.NOBLOCK if self.remote_slots else 0)
         # Give the message a moment to leave before the process exits (linger is 0).

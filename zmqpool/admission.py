@@ -35,6 +35,7 @@ from zmqpool.layout import Layout, max_message_bytes
 from zmqpool.limits import MAX_SPEC_BYTES, described
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
+from zmqpool.remote_failures import RemoteFailures
 from zmqpool.roster import Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.specs import spec_from_data, spec_to_data
 from zmqpool.state import Ledger
@@ -64,6 +65,10 @@ LARGE_CONTROL_BURST = 8 << 20
 #: once a start (every 0.2-5 s while unanswered); 200 workers sharing a key start at once.
 REGISTERS_PER_S = 50
 REGISTER_BURST = 200
+#: Log lines a remote key's FAILEDs may cause per second, and at once (its host
+#: restarts a failing worker every few seconds, at most 5 times by default).
+FAILED_LOGS_PER_S = 0.2
+FAILED_LOG_BURST = 5
 #: Newcomers waiting for a slot their key's live worker holds, remembered at most.
 _MAX_WAITING = 1024
 
@@ -132,6 +137,8 @@ class Registrar:
         same_specs: every env must register specs of one structure (``stack="dense"``).
         remote_spec: the specs every remote worker must bring (an env's
             ``specs``), if the user gave them.
+        remote_failures: where FAILEDs of remote workers are noted (they need
+            not have registered: see :mod:`zmqpool.remote_failures`).
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class Registrar:
         events: list[Event],
         same_specs: bool,
         remote_spec: Any = None,
+        remote_failures: RemoteFailures | None = None,
     ) -> None:
         self.roster = roster
         self.ledger = ledger
@@ -156,6 +164,8 @@ class Registrar:
         self._remote_set = frozenset(roster.remote_indices)
         self._large_control_budget = TokenBucket(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
         self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
+        self._failed_log_budget = TokenBucket(FAILED_LOGS_PER_S, FAILED_LOG_BURST)
+        self.remote_failures = remote_failures or RemoteFailures()
         #: When a REGISTER that found no room first waited, by identity.
         self._waiting_since: dict[bytes, float] = {}
         #: Admitted workers whose last WELCOME could not be routed (see _on_register).
@@ -239,8 +249,8 @@ class Registrar:
         self.liveness.heard(record.identity, time.monotonic())
 
     def _on_failed(self, identity: bytes, key: str | None, header: Header, remote: bool) -> None:
-        record = self._sender(identity, key, remote)
-        if record is None:
+        record = None if remote else self._sender(identity, key, remote)
+        if record is None and not remote:
             self.ledger.drop("FAILED from an identity that is not a worker")
             return
         try:
@@ -248,12 +258,22 @@ class Registrar:
         except ProtocolError as err:
             self.ledger.drop(f"malformed FAILED: {type(err).__name__}")
             return
-        if record.remote:  # a remote host restarts its own envs: nothing for the pool to do
-            self.ledger.drop("FAILED from a remote worker (its host restarts its envs)")
+        if record is None:  # remote: its host restarts it; the trainer hears why
+            self._on_remote_failed(key, failed)
             return
         # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
         self.roster.failed_to_start(record, failed.tb)
         self.events.append(WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env))
+
+    def _on_remote_failed(self, key: str | None, failed: Failed) -> None:
+        """Noted for the errors of envs waiting for a remote worker, and logged (rationed).
+
+        Known by its key alone: a worker that could not start never registered
+        (the ZAP handler let its key in, so the notes are as many as the keys).
+        """
+        text = self.remote_failures.note(key, failed)
+        if self._failed_log_budget.take(key, 1):
+            log.warning("%s (its host restarts it, or gives up)", text)
 
     def _refuse_version(self, identity: bytes, err: VersionMismatchError, remote: bool) -> None:
         # A worker of another version cannot read our REFUSE (it reads the

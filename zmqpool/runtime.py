@@ -69,6 +69,7 @@ from zmqpool.outbox import Outbox
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
 from zmqpool.ray_workers import LaunchContext, RemoteLauncher
+from zmqpool.remote_failures import RemoteFailures
 from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.security import ServerKeys
 from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
@@ -212,6 +213,8 @@ class Runtime:
         #: One thread at a time (the pool's public calls hold it): see :mod:`zmqpool.gate`.
         self.gate = Gate()
         self.intake = Intake(self.roster, self.ledger, self.liveness)
+        #: Why remote workers could not start, for the errors of envs waiting for one.
+        self.remote_failures = RemoteFailures()
         self.registrar = Registrar(
             self.roster,
             self.ledger,
@@ -221,6 +224,7 @@ class Runtime:
             self.events,
             same_specs=plan.same_specs,
             remote_spec=plan.remote_spec,
+            remote_failures=self.remote_failures,
         )
         servers = forkservers.SHARED if config.share_fork_server else None
         self.launcher = Launcher(config.fork_server, config.register_timeout_s, servers)
@@ -233,6 +237,7 @@ class Runtime:
             self.spawn,
             self.dispatch,
             self._ask_rejoin,
+            self.remote_failures,
         )
         if plan.restart_on_env_error:
             self.intake.on_env_error = self.supervisor.on_env_error
@@ -372,6 +377,8 @@ class Runtime:
                 f"; remote envs {remote} wait for workers to connect to {self.remote_endpoint} "
                 "(python -m workers --connect ... --env package.module:callable)"
             )
+            failures = self.remote_failures.summary()
+            text += f"; {failures}" if failures else ""
         return text
 
     def _envs_of(self, identity: bytes) -> list[int]:

@@ -35,6 +35,7 @@ from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
 from zmqpool.events import Event, ProcessExited, WorkerFailed, WorkerRegistered
 from zmqpool.launcher import ForkServerStarting, describe_status
 from zmqpool.policy import Liveness, RestartPolicy
+from zmqpool.remote_failures import RemoteFailures
 from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.state import STEPS, Ledger, Pending
 
@@ -56,6 +57,9 @@ class Supervisor:
         roster, ledger, config, liveness: the pool's.
         spawn: starts (again) the process of a local worker.
         dispatch: sends a recorded request to its env's worker.
+        ask_rejoin: asks a remote worker that was set aside to register again.
+        remote_failures: why remote workers could not start, named when envs
+            waiting for one are lost.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class Supervisor:
         spawn: Callable[[WorkerRecord], None],
         dispatch: Dispatch,
         ask_rejoin: Callable[[WorkerRecord], None] = lambda record: None,
+        remote_failures: RemoteFailures | None = None,
     ) -> None:
         self.roster = roster
         self.ledger = ledger
@@ -75,6 +80,7 @@ class Supervisor:
         self.spawn = spawn
         self.dispatch = dispatch
         self.ask_rejoin = ask_rejoin
+        self.remote_failures = remote_failures or RemoteFailures()
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
@@ -221,6 +227,8 @@ class Supervisor:
             causes = sorted({self.roster.envs[e].last_restart_cause or "gone" for e in late})
             why = f"their remote worker was set aside ({'; '.join(causes)}) and none rejoined "
             why += f"within {self.config.rejoin_timeout_s} s"
+            failures = self.remote_failures.summary()
+            why += f"; {failures}" if failures else ""
             log.error("envs %s are lost: %s", late, why)
             self._fail(late, EnvLostError(late, why))
 
