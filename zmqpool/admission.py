@@ -165,7 +165,7 @@ class Registrar:
         self._large_control_budget = TokenBucket(LARGE_CONTROL_BYTES_PER_S, LARGE_CONTROL_BURST)
         self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
         self._failed_log_budget = TokenBucket(FAILED_LOGS_PER_S, FAILED_LOG_BURST)
-        self.remote_failures = remote_failures or RemoteFailures()
+        self.remote_failures = RemoteFailures() if remote_failures is None else remote_failures
         #: When a REGISTER that found no room first waited, by identity.
         self._waiting_since: dict[bytes, float] = {}
         #: Admitted workers whose last WELCOME could not be routed (see _on_register).

@@ -80,7 +80,7 @@ class Supervisor:
         self.spawn = spawn
         self.dispatch = dispatch
         self.ask_rejoin = ask_rejoin
-        self.remote_failures = remote_failures or RemoteFailures()
+        self.remote_failures = RemoteFailures() if remote_failures is None else remote_failures
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
