@@ -188,6 +188,48 @@ def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote
         stop(worker)
 
 
+def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_is(
+    remote_host, key_dir
+):
+    """At the default log level (WARNING) the supervisor says nothing when the pool closes
+    (its env process, told to exit, is started again for the next pool: an INFO line);
+    an env process killed is a warning, as before."""
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = None
+    try:
+        pool = remote_pool(remote_host, port, key_dir)
+        first = new_env_processes(worker, [])
+        pool.reset()
+        pool.close()
+        second = new_env_processes(worker, first)  # the pool's CLOSE ended the first
+        for pid in second:
+            os.kill(pid, signal.SIGKILL)
+        new_env_processes(worker, second)
+    finally:
+        if pool is not None:
+            pool.close()
+        stop(worker)
+    _, err = worker.communicate(timeout=10)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "ended (-9); restarting in" in lines[0], err
+
+
+def new_env_processes(worker: subprocess.Popen, old: list[int], timeout: float = 60) -> list[int]:
+    """The remote supervisor's env processes once none of ``old`` is among them.
+
+    Not :func:`ns_children`, which gives the supervisor itself while it has no child.
+    """
+    with open(f"/proc/{worker.pid}/cmdline", "rb") as proc:
+        cmdline = proc.read()
+    supervisor = worker.pid if b"workers" in cmdline else children(worker.pid)[0]
+    deadline = time.monotonic() + timeout
+    while (kids := children(supervisor)) == [] or set(kids) & set(old):
+        assert time.monotonic() < deadline, f"env processes {old} still there after {timeout} s"
+        time.sleep(0.05)
+    return kids
+
+
 def truncated_then_steps_on(pool, since: float, timeout: float) -> float:
     """Env 0's request in flight is answered by a restart's truncation, then env 0 steps on.
 

@@ -51,7 +51,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "argument; 1 when an env maker failed (supervised: "
         f"{MAX_MAKER_FAILURES} times in a row in an env process that never registered) or "
         "for an unusable key file. The supervisor (without --single-process) restarts an env "
-        "process that dies and exits once none is left, with a one-line error saying why.",
+        "process that dies (a warning) and exits once none is left, with a one-line error "
+        "saying why; an env process whose pool closed is started again for the next pool, "
+        "logged at INFO (nothing at the default --log-level).",
     )
     parser.set_defaults(prog=prog)
     parser.add_argument(
