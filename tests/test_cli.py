@@ -276,6 +276,30 @@ def test_demo_rejects_a_bad_env_name(capsys):
     assert "no_such_module_xyz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("raise RuntimeError('no display here')", "RuntimeError: no display here"),
+        ("import no_such_dependency_xyz", "ModuleNotFoundError: No module named 'no_such_dep"),
+    ],
+)
+def test_demo_env_whose_module_fails_to_import_is_a_one_line_error(
+    monkeypatch, tmp_path, capsys, source, raised
+):
+    """Whatever the module raises at import: one line naming it and the exception, status 2
+    (as python -m workers --env: the same check, workers.hosting.maker_from_name)."""
+    (tmp_path / "broken_env_module.py").write_text(f"{source}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--env", "broken_env_module:make"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    expected = "zmqpool demo: error: --env broken_env_module:make: cannot import "
+    assert err.strip().splitlines()[-1].startswith(f"{expected}'broken_env_module': {raised}"), err
+
+
 def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "scripts" / "bench.py")
     assert cli.main(["bench", "--quick"]) == 2

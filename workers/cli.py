@@ -20,7 +20,13 @@ import re
 import secrets
 import sys
 
-from workers.hosting import WORKER_THREADS_VAR, EnvHost, EnvRecipe, recipe_from_name
+from workers.hosting import (
+    WORKER_THREADS_VAR,
+    EnvHost,
+    EnvRecipe,
+    maker_from_name,
+    recipe_from_name,
+)
 from workers.loop import REGISTER_TIMEOUT_S, Worker
 from workers.supervise import (
     MAX_MAKER_FAILURES,
@@ -169,12 +175,10 @@ def _recipes_from_args(
     args.num_envs = len(indices)
     kwargs = _kwargs_list(parser, args)
     try:  # checked here, once: not in each env process, restarted for ever
-        recipes = [recipe_from_name(args.env, kw) for kw in kwargs]
-    except (ImportError, AttributeError, ValueError) as err:
-        parser.error(f"--env {args.env}: {type(err).__name__}: {err}")
-    if not callable(recipes[0].maker):
-        parser.error(f"--env {args.env} is a {type(recipes[0].maker).__name__}, not a callable")
-    return indices, recipes
+        maker = maker_from_name(args.env)
+    except ValueError as err:
+        parser.error(f"--env {args.env}: {err}")
+    return indices, [EnvRecipe(maker, kw) for kw in kwargs]
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

@@ -66,7 +66,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "(default 60)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.set_defaults(handler=_cmd_demo)
+    demo.set_defaults(handler=_cmd_demo, parser=demo)  # parser: its errors say "zmqpool demo"
 
 
 def _add_keygen(sub: argparse._SubParsersAction) -> None:
@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             load_env_maker(args.env)
-        except ValueError as err:
-            parser.error(str(err))
+        except ValueError as err:  # one line, as python -m workers --env says it
+            args.parser.error(f"--env {args.env}: {err}")
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:
