@@ -300,6 +300,22 @@ def test_demo_env_whose_module_fails_to_import_is_a_one_line_error(
     assert err.strip().splitlines()[-1].startswith(f"{expected}'broken_env_module': {raised}"), err
 
 
+@pytest.mark.parametrize("value", ["-1", str(2**64)])
+def test_demo_refuses_a_seed_torch_or_torchrl_would_refuse(monkeypatch, capsys, value):
+    """torch.manual_seed takes -1, but torchrl's seed chain and gymnasium refuse negative seeds
+    (the envs' processes raised, a traceback), and torch.manual_seed refuses 2**64."""
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--seed", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"zmqpool demo: error: argument --seed: must be an integer from 0 to 2**64 - 1, got {value}"
+    )
+    for good in (0, 2**64 - 1):
+        assert cli.build_parser().parse_args(["demo", "--seed", str(good)]).seed == good
+
+
 def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "scripts" / "bench.py")
     assert cli.main(["bench", "--quick"]) == 2
