@@ -276,6 +276,46 @@ def test_demo_rejects_a_bad_env_name(capsys):
     assert "no_such_module_xyz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("raise RuntimeError('no display here')", "RuntimeError: no display here"),
+        ("import no_such_dependency_xyz", "ModuleNotFoundError: No module named 'no_such_dep"),
+    ],
+)
+def test_demo_env_whose_module_fails_to_import_is_a_one_line_error(
+    monkeypatch, tmp_path, capsys, source, raised
+):
+    """Whatever the module raises at import: one line naming it and the exception, status 2
+    (as python -m workers --env: the same check, workers.hosting.maker_from_name)."""
+    (tmp_path / "broken_env_module.py").write_text(f"{source}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--env", "broken_env_module:make"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    expected = "zmqpool demo: error: --env broken_env_module:make: cannot import "
+    assert err.strip().splitlines()[-1].startswith(f"{expected}'broken_env_module': {raised}"), err
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**64)])
+def test_demo_refuses_a_seed_torch_or_torchrl_would_refuse(monkeypatch, capsys, value):
+    """torch.manual_seed takes -1, but torchrl's seed chain and gymnasium refuse negative seeds
+    (the envs' processes raised, a traceback), and torch.manual_seed refuses 2**64."""
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--seed", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"zmqpool demo: error: argument --seed: must be an integer from 0 to 2**64 - 1, got {value}"
+    )
+    for good in (0, 2**64 - 1):
+        assert cli.build_parser().parse_args(["demo", "--seed", str(good)]).seed == good
+
+
 def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "scripts" / "bench.py")
     assert cli.main(["bench", "--quick"]) == 2

@@ -105,7 +105,13 @@ def test_a_worker_whose_key_is_not_listed_cannot_connect(guarded, remote_host, k
     )
     _, err = intruder.communicate(timeout=60)
     assert intruder.returncode == 2
-    assert "authorized" in err
+    # Said as it is, in the log and in the exit line: the pool refused the key (ZAP,
+    # HANDSHAKE_FAILED_AUTH 400), naming the key file; not a frame-size or protocol error.
+    refusal = "refused this worker's CURVE key during the handshake (ZAP denied it, status 400)"
+    assert err.count(refusal) >= 2, err
+    assert str(key_dir / "workers" / "worker-2.key_secret") in err
+    assert "must be in the pool's authorized/ folder (copy worker-2.key there" in err
+    assert "protocol error" not in err and "no answer from the pool" not in err, err
     assert pool.runtime.roster.worker(b"intruder") is None
     assert pool.reset()["observation"].shape == (1, 4)  # the pool carries on
 
@@ -201,6 +207,48 @@ def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote
     finally:
         pool.close()
         stop(worker)
+
+
+def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_is(
+    remote_host, key_dir
+):
+    """At the default log level (WARNING) the supervisor says nothing when the pool closes
+    (its env process, told to exit, is started again for the next pool: an INFO line);
+    an env process killed is a warning, as before."""
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
+    pool = None
+    try:
+        pool = remote_pool(remote_host, port, key_dir)
+        first = new_env_processes(worker, [])
+        pool.reset()
+        pool.close()
+        second = new_env_processes(worker, first)  # the pool's CLOSE ended the first
+        for pid in second:
+            os.kill(pid, signal.SIGKILL)
+        new_env_processes(worker, second)
+    finally:
+        if pool is not None:
+            pool.close()
+        stop(worker)
+    _, err = worker.communicate(timeout=10)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "ended (-9); restarting in" in lines[0], err
+
+
+def new_env_processes(worker: subprocess.Popen, old: list[int], timeout: float = 60) -> list[int]:
+    """The remote supervisor's env processes once none of ``old`` is among them.
+
+    Not :func:`ns_children`, which gives the supervisor itself while it has no child.
+    """
+    with open(f"/proc/{worker.pid}/cmdline", "rb") as proc:
+        cmdline = proc.read()
+    supervisor = worker.pid if b"workers" in cmdline else children(worker.pid)[0]
+    deadline = time.monotonic() + timeout
+    while (kids := children(supervisor)) == [] or set(kids) & set(old):
+        assert time.monotonic() < deadline, f"env processes {old} still there after {timeout} s"
+        time.sleep(0.05)
+    return kids
 
 
 def truncated_then_steps_on(pool, since: float, timeout: float) -> float:

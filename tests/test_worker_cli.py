@@ -44,9 +44,11 @@ NOT_CALLABLE = 3
 
 @pytest.fixture(scope="module")
 def helpers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with ``badmakers.py`` and a key directory ``keys/`` (one worker)."""
+    """A directory with ``badmakers.py``, ``explodes.py`` (raises at import) and a key directory
+    ``keys/`` (one worker)."""
     where = tmp_path_factory.mktemp("worker-cli")
     (where / "badmakers.py").write_text(textwrap.dedent(MAKERS))
+    (where / "explodes.py").write_text("raise RuntimeError('no GPU here')\n")
     write_keys(where / "keys", 1)
     return where
 
@@ -219,8 +221,10 @@ def run_fails(capsys, helpers: Path, monkeypatch, *argv: str) -> tuple[int, str]
     [
         ("no_such_module_xyz:make", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
         ("badmakers:nosuch", "AttributeError: module 'badmakers' has no attribute 'nosuch'"),
-        ("badmakers.boom", "ValueError: --env must look like package.module:callable"),
-        ("badmakers:NOT_CALLABLE", "--env badmakers:NOT_CALLABLE is a int, not a callable"),
+        ("badmakers.boom", "must look like package.module:callable, got 'badmakers.boom'"),
+        ("badmakers:NOT_CALLABLE", "'NOT_CALLABLE' of 'badmakers' is a int, not a callable"),
+        # Any exception at import, not only ImportError: one line naming module and exception.
+        ("explodes:make", "--env explodes:make: cannot import 'explodes': RuntimeError: no GPU"),
     ],
 )
 def test_a_bad_env_name_is_a_one_line_error(capsys, helpers, monkeypatch, env, message):

@@ -20,7 +20,13 @@ import re
 import secrets
 import sys
 
-from workers.hosting import WORKER_THREADS_VAR, EnvHost, EnvRecipe, recipe_from_name
+from workers.hosting import (
+    WORKER_THREADS_VAR,
+    EnvHost,
+    EnvRecipe,
+    maker_from_name,
+    recipe_from_name,
+)
 from workers.loop import REGISTER_TIMEOUT_S, Worker
 from workers.supervise import (
     MAX_MAKER_FAILURES,
@@ -51,7 +57,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "argument; 1 when an env maker failed (supervised: "
         f"{MAX_MAKER_FAILURES} times in a row in an env process that never registered) or "
         "for an unusable key file. The supervisor (without --single-process) restarts an env "
-        "process that dies and exits once none is left, with a one-line error saying why.",
+        "process that dies (a warning) and exits once none is left, with a one-line error "
+        "saying why; an env process whose pool closed is started again for the next pool, "
+        "logged at INFO (nothing at the default --log-level).",
     )
     parser.set_defaults(prog=prog)
     parser.add_argument(
@@ -167,12 +175,10 @@ def _recipes_from_args(
     args.num_envs = len(indices)
     kwargs = _kwargs_list(parser, args)
     try:  # checked here, once: not in each env process, restarted for ever
-        recipes = [recipe_from_name(args.env, kw) for kw in kwargs]
-    except (ImportError, AttributeError, ValueError) as err:
-        parser.error(f"--env {args.env}: {type(err).__name__}: {err}")
-    if not callable(recipes[0].maker):
-        parser.error(f"--env {args.env} is a {type(recipes[0].maker).__name__}, not a callable")
-    return indices, recipes
+        maker = maker_from_name(args.env)
+    except ValueError as err:
+        parser.error(f"--env {args.env}: {err}")
+    return indices, [EnvRecipe(maker, kw) for kw in kwargs]
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

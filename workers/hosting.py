@@ -314,14 +314,49 @@ def fresh_random_state() -> None:
 
 
 def recipe_from_name(name: str, kwargs: Mapping[str, Any]) -> EnvRecipe:
-    """An env recipe from an importable ``package.module:callable`` name."""
+    """An env recipe from a ``package.module:callable`` name (:func:`maker_from_name`)."""
+    return EnvRecipe(maker_from_name(name), dict(kwargs))
+
+
+def maker_from_name(name: str) -> Callable[..., Any]:
+    """The callable an importable ``package.module:callable`` name names.
+
+    The one check of an ``--env`` name, for ``python -m workers`` and ``zmqpool
+    demo`` alike: whatever goes wrong (the name's form, the module's import,
+    with whatever exception it raised, a missing attribute, an attribute that
+    is not callable) is a :class:`ValueError` whose message is one line, which
+    the command lines print as an argparse error (exit status 2).
+
+    Example:
+        >>> maker_from_name("zmqpool.testing:CountingEnv").__name__
+        'CountingEnv'
+        >>> maker_from_name("json:nope")
+        Traceback (most recent call last):
+        ...
+        ValueError: AttributeError: module 'json' has no attribute 'nope'
+    """
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--env must look like package.module:callable, got {name!r}")
-    target: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        target = getattr(target, part)
-    return EnvRecipe(target, dict(kwargs))
+        raise ValueError(f"must look like package.module:callable, got {name!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as err:  # not only ImportError: a module's own code may raise anything
+        raise ValueError(f"cannot import {module_name!r}: {_one_line(err)}") from err
+    try:
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except AttributeError as err:
+        raise ValueError(_one_line(err)) from err
+    if not callable(target):
+        raise ValueError(
+            f"{attr!r} of {module_name!r} is a {type(target).__name__}, not a callable"
+        )
+    return target
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: message`` of ``err``, its whitespace (newlines too) folded to single spaces."""
+    return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 class EnvHost:

@@ -288,8 +288,7 @@ class Worker:
             make_client(sock, self.keys)
         return sock
 
-    @staticmethod
-    def _connect(sock: zmq.Socket, endpoint: str, max_frame: int) -> _DropWatch | None:
+    def _connect(self, sock: zmq.Socket, endpoint: str, max_frame: int) -> _DropWatch | None:
         """Connect ``sock`` with its limits set first (libzmq reads them at connect).
 
         ``max_frame`` is the largest frame we expect; CURVE adds up to
@@ -310,7 +309,7 @@ class Worker:
         if not endpoint.startswith("tcp://"):
             sock.connect(endpoint)
             return None
-        watch = _DropWatch(sock, endpoint)  # before connecting: no event is missed
+        watch = _DropWatch(sock, endpoint, self.keys)  # before connecting: no event is missed
         sock.connect(endpoint)
         return watch
 
@@ -380,9 +379,12 @@ class Worker:
         timeout = self.register_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         wait_s = 0.2
+        refused: int | None = None  # the ZAP status of the pool's last refusal of our key
         while deadline is None or time.monotonic() < deadline:
             if self._dealer_watch is not None:
                 self._dealer_watch.check()
+                if self._dealer_watch.refused is not None:
+                    refused = self._dealer_watch.refused
             sent = False
             with contextlib.suppress(zmq.Again):  # not connected yet (IMMEDIATE): retry
                 self.dealer.send(message, zmq.NOBLOCK)
@@ -396,6 +398,8 @@ class Worker:
                 wait = _RECONNECT_WAIT_S if deadline is None else deadline - time.monotonic()
                 self.dealer.poll(max(1, int(min(wait, _RECONNECT_WAIT_S) * 1000)), zmq.POLLOUT)
             wait_s = min(2 * wait_s, 5.0)
+        if refused is not None:
+            raise RegistrationError(key_refused(self.router, refused, self.keys))
         raise RegistrationError(
             f"no answer from the pool at {self.router} within {timeout} s (is it up? "
             "for TCP with CURVE: is this worker's key in the pool's authorized/ folder?)"
@@ -1099,24 +1103,36 @@ class _DropWatch:
 
     libzmq connects a socket again by itself after a connection error or a
     handshake timeout, but after a protocol error (a frame over ``MAXMSGSIZE``,
-    a greeting or handshake that is not ZMTP and CURVE) it drops the endpoint
-    for good (measured, libzmq 4.3: ``EVENT_DISCONNECTED`` and no
-    ``EVENT_CONNECT_RETRIED``). A command over this worker's limit, or a peer
-    posing as the pool, would then cut the worker off for good. The thread
+    a greeting or handshake that is not ZMTP and CURVE) or a refused key (the
+    pool's ZAP handler denied it: ``EVENT_HANDSHAKE_FAILED_AUTH``, status 400)
+    it drops the endpoint for good (measured, libzmq 4.3: ``EVENT_DISCONNECTED``
+    and no ``EVENT_CONNECT_RETRIED``). A command over this worker's limit, or a
+    peer posing as the pool, would then cut the worker off for good. The thread
     that owns the socket calls :meth:`check` now and then: a drop libzmq has
     not retried within :attr:`GRACE_S` is connected again here, and logged
-    (throttled: the 1st, 2nd, 4th... time).
+    (throttled: the 1st, 2nd, 4th... time) with its cause: the pool refused
+    this worker's key (:func:`key_refused`: the fix is on the pool's side, in
+    its ``authorized/`` folder), or a protocol error.
     """
 
     GRACE_S = 1.0
+    EVENTS = (
+        zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_CONNECT_RETRIED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    )
 
-    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
+    def __init__(self, sock: zmq.Socket, endpoint: str, keys: ClientKeys | None = None) -> None:
         self.sock = sock
         self.endpoint = endpoint
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.keys = keys
+        self.monitor = sock.get_monitor_socket(self.EVENTS)
         self.monitor.linger = 0
         self.dropped_at: float | None = None
         self.reconnects = 0
+        #: The ZAP status of the pool's last refusal of this worker's key (None: none seen).
+        self.refused: int | None = None
 
     def check(self) -> None:
         while True:
@@ -1124,7 +1140,11 @@ class _DropWatch:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if event["event"] != zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused = event["value"]  # the drop that follows is the pool's refusal
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None  # accepted now (a pool restarted with our key listed)
+            elif event["event"] != zmq.EVENT_DISCONNECTED:
                 self.dropped_at = None  # libzmq is connecting again itself
             elif self.dropped_at is None:
                 self.dropped_at = time.monotonic()
@@ -1132,6 +1152,18 @@ class _DropWatch:
             return
         self.dropped_at = None
         self.reconnects += 1
+        self._log_drop()
+        with contextlib.suppress(zmq.ZMQError):  # the endpoint may be gone already
+            self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
+
+    def _log_drop(self) -> None:
+        if self.refused is not None:
+            text = key_refused(self.endpoint, self.refused, self.keys)
+            log_throttled(
+                log, self.reconnects, "%s; trying again (%d times so far)", text, self.reconnects
+            )
+            return
         log_throttled(
             log,
             self.reconnects,
@@ -1142,15 +1174,44 @@ class _DropWatch:
             self.sock.getsockopt(zmq.MAXMSGSIZE),
             self.reconnects,
         )
-        with contextlib.suppress(zmq.ZMQError):  # the endpoint may be gone already
-            self.sock.disconnect(self.endpoint)
-        self.sock.connect(self.endpoint)
 
     def close(self) -> None:
         """Stop monitoring (before the socket is closed)."""
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.monitor.close()
+
+
+def key_refused(endpoint: str, status: int, keys: ClientKeys | None) -> str:
+    """What to say when the pool at ``endpoint`` refused our key in the CURVE handshake.
+
+    ``status`` is the ZAP status code libzmq reports (``EVENT_HANDSHAKE_FAILED_AUTH``;
+    400: the key is not on the pool's allow-list). The pool reads its
+    ``authorized/`` folder when it starts.
+
+    Example:
+        >>> keys = ClientKeys(b"P" * 40, b"S" * 40, b"K" * 40, "keys/workers/worker-2.key_secret")
+        >>> print(key_refused("tcp://10.0.0.1:5555", 400, keys))  # doctest: +NORMALIZE_WHITESPACE
+        the pool at tcp://10.0.0.1:5555 refused this worker's CURVE key during the handshake
+        (ZAP denied it, status 400): the public key of --client-key
+        keys/workers/worker-2.key_secret (PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPP) must be in the
+        pool's authorized/ folder (copy worker-2.key there, then restart the pool)
+    """
+    text = (
+        f"the pool at {endpoint} refused this worker's CURVE key during the handshake "
+        f"(ZAP denied it, status {status})"
+    )
+    if keys is None:
+        return f"{text}: is this worker's key in the pool's authorized/ folder?"
+    source = "" if keys.secret_file is None else f" of --client-key {keys.secret_file}"
+    public = keys.public.decode(errors="replace")
+    advice = "then restart the pool"
+    if keys.secret_file is not None and keys.secret_file.endswith(".key_secret"):
+        advice = f"copy {os.path.basename(keys.secret_file)[: -len('_secret')]} there, {advice}"
+    return (
+        f"{text}: the public key{source} ({public}) must be in the pool's authorized/ "
+        f"folder ({advice})"
+    )
 
 
 def _voluntary_switches() -> int | None:

@@ -16,7 +16,10 @@ answer within ``--register-timeout``, or specs too large to send) is not
 restarted; nor is one whose env maker failed ``MAX_MAKER_FAILURES`` times in a
 row before that child ever registered (a maker that cannot work). Once no child
 is left, the supervisor exits non-zero (2 if a child was refused, else 1), with
-a one-line error saying why each gave up. SIGTERM or SIGINT (how Kubernetes,
+a one-line error saying why each gave up. A child whose pool closed it (the
+trainer's ``pool.close()``: exit code 0) is no failure: it is started again,
+without backoff, to wait for the next pool, and said at INFO level, not as a
+warning. SIGTERM or SIGINT (how Kubernetes,
 SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
 SIGKILLs those still alive after a grace period, and exits 0.
 """
@@ -230,6 +233,10 @@ class Supervisor:
                 return
         else:
             self.maker_failures.pop(k, None)
+        if code == 0:  # its pool closed it (CLOSE): no failure, and no death to back off from
+            log.info("env process %d: its pool closed; starting it again for the next pool", k)
+            self.restarts[k] = time.monotonic() + _BACKOFF_S[0]
+            return
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
         log.warning("env process %d (pid %d) ended (%d); restarting in %.2f s", k, pid, code, delay)

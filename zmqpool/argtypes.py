@@ -17,6 +17,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: ``torch.manual_seed`` takes seeds below this (and negative ones, which torchrl's seed
+#: chain and gymnasium refuse): a seed is an integer in ``[0, MAX_SEED]``.
+MAX_SEED = 2**64 - 1
+
+
+def seed(text: str) -> int:
+    """An env seed: an integer from 0 to :data:`MAX_SEED` (torch, torchrl and gymnasium take it)."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1, got {value}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """A duration in seconds: finite and > 0 (0 would make a heartbeat loop spin)."""
     value = float(text)

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from zmqpool.argtypes import positive_int, positive_seconds
+from zmqpool.argtypes import positive_int, positive_seconds, seed
 
 PROG = "zmqpool"
 #: the demo's env; torch is imported only when a command needs it, not for --help.
@@ -41,6 +41,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="step a local pool asynchronously and print throughput and per-env stats",
         description="Build a local pool, step it the way an async trainer does "
         "(send to all, recv min_get=1, resend to those that came back), print env-steps/s.",
+        epilog="Exit status: 0 when the steps ran; 1 when the pool failed, with a one-line "
+        "error; 2 for a bad argument, with a one-line error (an --env whose module cannot be "
+        "imported, whatever its import raised, is named with that exception; a --seed "
+        "outside 0 to 2**64 - 1: torchrl and gymnasium refuse negative seeds); 130 after "
+        "Ctrl-C.",
     )
     demo.add_argument("--num-envs", type=positive_int, default=4, help="envs (default 4)")
     demo.add_argument("--steps", type=positive_int, default=2000, help="env-steps (default 2000)")
@@ -57,7 +62,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="SIGKILL one worker halfway through and show the pool restart it",
     )
-    demo.add_argument("--seed", type=int, default=0, help="pool.set_seed(SEED) (default 0)")
+    demo.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="torch.manual_seed(SEED) and pool.set_seed(SEED): an integer from 0 to 2**64 - 1 "
+        "(default 0)",
+    )
     demo.add_argument(
         "--step-timeout",
         type=positive_seconds,
@@ -66,7 +77,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "(default 60)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.set_defaults(handler=_cmd_demo)
+    demo.set_defaults(handler=_cmd_demo, parser=demo)  # parser: its errors say "zmqpool demo"
 
 
 def _add_keygen(sub: argparse._SubParsersAction) -> None:
@@ -120,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             load_env_maker(args.env)
-        except ValueError as err:
-            parser.error(str(err))
+        except ValueError as err:  # one line, as python -m workers --env says it
+            args.parser.error(f"--env {args.env}: {err}")
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

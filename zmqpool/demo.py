@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ from torchrl.envs import EnvBase
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from workers.hosting import maker_from_name
 from zmqpool.config import PoolConfig
 from zmqpool.pool import ZMQAsyncEnvPool
 
@@ -54,21 +54,14 @@ def cartpole() -> EnvBase:
 def load_env_maker(name: str) -> Callable[[], EnvBase]:
     """Import ``package.module:callable`` and return the callable.
 
+    :func:`workers.hosting.maker_from_name`, as ``python -m workers --env`` checks
+    its name: anything wrong is a :class:`ValueError` of one line.
+
     Example:
         >>> load_env_maker("zmqpool.demo:cartpole").__name__
         'cartpole'
     """
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--env must look like package.module:callable, got {name!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import {module_name!r} for --env {name!r}: {err}") from err
-    maker = getattr(module, attr, None)
-    if not callable(maker):
-        raise ValueError(f"{module_name!r} has no callable {attr!r} (--env {name!r})")
-    return maker
+    return maker_from_name(name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,8 @@ class ClientKeys:
     public: bytes
     secret: bytes = dataclasses.field(repr=False)  # never in a repr, a log or a traceback
     server_public: bytes
+    #: The file the pair was read from (``--client-key``), to name when the pool refuses it.
+    secret_file: str | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_files(cls, server_key: str, client_secret_key: str) -> ClientKeys:
@@ -110,7 +112,7 @@ class ClientKeys:
                 "not the public .key"
             )
         check_secret_file(client_secret_key)
-        return cls(public, secret, server_public)
+        return cls(public, secret, server_public, str(client_secret_key))
 
 
 def make_server(sock: zmq.Socket, keys: ServerKeys) -> None:
