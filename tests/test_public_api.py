@@ -9,6 +9,7 @@ import zmqpool
 def test_public_names_are_pinned():
     assert sorted(zmqpool.__all__) == [
         "CrashLoopError",
+        "EnvBusyError",
         "EnvError",
         "EnvLostError",
         "EnvMakerError",
@@ -16,7 +17,9 @@ def test_public_names_are_pinned():
         "PoolClosedError",
         "PoolConfig",
         "ProtocolError",
+        "RecvTimeoutError",
         "RegistrationError",
+        "TooFewInFlightError",
         "VersionMismatchError",
         "ZMQAsyncEnvPool",
         "ZMQPoolError",
@@ -31,6 +34,9 @@ def test_error_tree_keeps_torchrl_compatible_bases():
     assert issubclass(zmqpool.NothingInFlightError, (RuntimeError, KeyError))
     assert str(zmqpool.NothingInFlightError("env 1: nothing")) == "env 1: nothing"
     assert issubclass(zmqpool.CrashLoopError, zmqpool.EnvLostError)
+    assert issubclass(zmqpool.RecvTimeoutError, TimeoutError)
+    assert issubclass(zmqpool.EnvBusyError, RuntimeError)
+    assert issubclass(zmqpool.TooFewInFlightError, RuntimeError)
     for name in zmqpool.__all__[:-1]:
         obj = getattr(zmqpool, name)
         if isinstance(obj, type) and issubclass(obj, Exception):

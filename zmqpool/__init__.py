@@ -13,13 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from zmqpool.errors import (
     CrashLoopError,
+    EnvBusyError,
     EnvError,
     EnvLostError,
     EnvMakerError,
     NothingInFlightError,
     PoolClosedError,
     ProtocolError,
+    RecvTimeoutError,
     RegistrationError,
+    TooFewInFlightError,
     VersionMismatchError,
     ZMQPoolError,
 )
@@ -50,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CrashLoopError",
+    "EnvBusyError",
     "EnvError",
     "EnvLostError",
     "EnvMakerError",
@@ -57,7 +61,9 @@ __all__ = [
     "PoolClosedError",
     "PoolConfig",
     "ProtocolError",
+    "RecvTimeoutError",
     "RegistrationError",
+    "TooFewInFlightError",
     "VersionMismatchError",
     "ZMQAsyncEnvPool",
     "ZMQPoolError",

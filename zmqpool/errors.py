@@ -1,10 +1,13 @@
 """The exception tree of zmqpool.
 
-Every error the pool raises on purpose is a :class:`ZMQPoolError`; where a
-builtin already names the situation for torchrl users (``TimeoutError`` for a
-recv deadline, ``RuntimeError`` for a busy env, ``ValueError`` for a bad
-argument) the class also derives from it, so ``except RuntimeError`` written
-against torchrl's pool keeps working::
+Every error the pool raises on purpose about its envs, workers and calls is a
+:class:`ZMQPoolError`; where a builtin already names the situation for torchrl
+users (``TimeoutError`` for a recv deadline, ``RuntimeError`` for a busy env)
+the class also derives from it, so ``except RuntimeError`` written against
+torchrl's pool keeps working. A bad argument (an env index out of range, a
+``min_get`` below 1, a config of the wrong type) raises the builtin torchrl
+raises for it (``IndexError``, ``ValueError``, ``TypeError``), naming the
+argument::
 
     ZMQPoolError
     ├── ProtocolError (ValueError)       a frame or header that breaks the wire contract
@@ -17,6 +20,10 @@ against torchrl's pool keeps working::
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
     │   └── CrashLoopError               restarts exceeded the configured limit
     ├── PoolClosedError (RuntimeError)   the pool was used after ``close()``
+    ├── RecvTimeoutError (TimeoutError)  a recv's ``timeout`` passed before ``min_get`` results
+    ├── EnvBusyError (RuntimeError)      a send (or a seed) to envs still processing a command
+    ├── TooFewInFlightError (RuntimeError)
+    │                                    a recv awaiting more results than are in flight
     └── NothingInFlightError (RuntimeError, KeyError)
                                          a recv on an env's own channel that nothing was sent on
 """
@@ -154,6 +161,29 @@ class CrashLoopError(EnvLostError):
 
 class PoolClosedError(ZMQPoolError, RuntimeError):
     """The pool was used after ``close()``."""
+
+
+class RecvTimeoutError(ZMQPoolError, TimeoutError):
+    """A recv's ``timeout`` passed with fewer than ``min_get`` results in.
+
+    The results that did come in remain available to the next recv.
+    """
+
+
+class EnvBusyError(ZMQPoolError, RuntimeError):
+    """A send, a sync call or a seed addressed envs still processing a command.
+
+    torchrl's pool raises ``RuntimeError("Some envs are still processing a
+    step.")``; this is one, and names the busy envs.
+    """
+
+
+class TooFewInFlightError(ZMQPoolError, RuntimeError):
+    """A recv asked for more results (``min_get``) than are in flight on its channel.
+
+    It would wait for ever: at the call (torchrl's pool raises ``RuntimeError``
+    there too), or while it waited, when another thread took the results.
+    """
 
 
 class NothingInFlightError(ZMQPoolError, RuntimeError, KeyError):

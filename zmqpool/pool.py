@@ -34,7 +34,14 @@ from zmqpool.arguments import (
 )
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
-from zmqpool.errors import EnvError, EnvLostError, NothingInFlightError, PoolClosedError
+from zmqpool.errors import (
+    EnvBusyError,
+    EnvError,
+    EnvLostError,
+    NothingInFlightError,
+    PoolClosedError,
+    TooFewInFlightError,
+)
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
 from zmqpool.partial import (
@@ -492,7 +499,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         self._settle_interrupted()
         if self._awaiting(kind) > 0:
-            raise RuntimeError("Some envs are still processing a step.")
+            raise EnvBusyError("Some envs are still processing a step.")
 
     # ------------------------------------------------------------ sending
 
@@ -517,7 +524,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if not per_env:
             busy = self._busy.intersection(env_idx)
             if busy:
-                raise RuntimeError(
+                raise EnvBusyError(
                     f"Some envs are still processing a step: envs that are busy: {sorted(busy)}, "
                     f"queried: {env_idx}."
                 )
@@ -662,7 +669,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be non-negative, got {timeout}.")
         if min_get > self._awaiting(kind):
-            raise RuntimeError(
+            raise TooFewInFlightError(
                 f"Cannot await {min_get} {kind.value} when only "
                 f"{self._awaiting(kind)} are in flight."
             )
@@ -693,7 +700,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
         self._check_open()
         if self._busy:
-            raise RuntimeError(f"cannot seed while envs {sorted(self._busy)} are busy")
+            raise EnvBusyError(f"cannot seed while envs {sorted(self._busy)} are busy")
         with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
             return self._runtime.set_seed(seed, static_seed, self._raise_taken)
 

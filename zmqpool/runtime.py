@@ -56,7 +56,9 @@ from zmqpool.errors import (
     EnvMakerError,
     PoolClosedError,
     ProtocolError,
+    RecvTimeoutError,
     RegistrationError,
+    TooFewInFlightError,
     VersionMismatchError,
 )
 from zmqpool.events import Event, ProcessExited, WorkerFailed
@@ -636,7 +638,7 @@ class Runtime:
             self._raise_ready_error(channel, raise_error)
             remaining = self._remaining(deadline)
             if remaining <= 0 and looked:  # an expired deadline still takes what is queued
-                raise TimeoutError(
+                raise RecvTimeoutError(
                     f"async recv timed out: {self.ledger.count_ready(channel)}/{min_get} results "
                     f"after {timeout}s; they remain available to the next call."
                 )
@@ -681,7 +683,7 @@ class Runtime:
         if self.resources.closed:  # by another thread, while this one made way
             raise PoolClosedError("the pool was closed while this call waited")
         if self.ledger.awaiting(channel) < min_get:
-            raise RuntimeError(
+            raise TooFewInFlightError(
                 f"another thread took the {channel[0].value} results this recv awaited: "
                 f"{self.ledger.awaiting(channel)} left in flight, {min_get} wanted"
             )
