@@ -2337,7 +2337,9 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # `zmqpool bench` runs this script: its usage line then names that command.
+    prog = os.environ.get("ZMQPOOL_BENCH_PROG")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument(
         "--scenarios",
         type=names((*build_scenarios(False), SCALE_ALIAS)),

@@ -125,6 +125,10 @@ def test_worker_help_is_the_workers_command(short_runs):
     assert "--connect" in out and "--env" in out
 
 
+def test_bench_help_names_the_command_that_ran_it(short_runs):
+    assert short_runs["help:bench"].stdout.startswith("usage: zmqpool bench ")
+
+
 KEY_FILES = sorted(
     [
         "authorized",

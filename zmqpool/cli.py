@@ -33,6 +33,8 @@ PROG = "zmqpool"
 #: the demo's env; torch is imported only when a command needs it, not for --help.
 DEFAULT_ENV = "zmqpool.demo:cartpole"
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+#: The environment variable that tells the bench script the command that ran it.
+BENCH_PROG_VARIABLE = "ZMQPOOL_BENCH_PROG"
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -41,9 +43,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="step a local pool asynchronously and print throughput and per-env stats",
         description="Build a local pool, step it the way an async trainer does "
         "(send to all, recv min_get=1, resend to those that came back), print env-steps/s.",
-        epilog="Exit status: 0 when the steps ran; 1 when the pool failed, with a one-line "
-        "error; 2 for a bad argument, with a one-line error (an --env whose module cannot be "
-        "imported, whatever its import raised, is named with that exception; a --seed "
+        epilog="Exit status: 0 when the steps ran; 1 when the pool failed, with its error (an "
+        "env's carries its worker's traceback); 2 for a bad argument, with a one-line error "
+        "(an --env whose module cannot be imported, whatever its import raised, is named "
+        "with that exception; a --seed "
         "outside 0 to 2**64 - 1: torchrl and gymnasium refuse negative seeds); 130 after "
         "Ctrl-C.",
     )
@@ -186,7 +189,9 @@ def _run_bench(argv: list[str]) -> int:
         )
         return 2
     try:
-        return subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv])
+        # The script's usage line names the command that ran it, not bench.py.
+        env = {**os.environ, BENCH_PROG_VARIABLE: f"{PROG} bench"}
+        return subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv], env=env)
     except KeyboardInterrupt:
         return 130
 
