@@ -137,6 +137,43 @@ def test_the_supervisor_restarts_a_dead_child_after_its_backoff_but_not_a_refuse
     assert 0.15 <= float(took) < 10.0
 
 
+BACKOFF_RESET = """
+import sys, time
+from pathlib import Path
+from workers.supervise import REFUSED, Supervisor
+
+runs = Path(sys.argv[1])
+
+def child(k, identity):
+    with runs.open("a") as out:
+        out.write(f"start {time.monotonic()}\\n")
+    starts = runs.read_text().count("start")
+    if starts <= 6:  # six quick deaths: the next restart would wait 0.05 * 2**6 = 3.2 s
+        return 1
+    if starts == 7:  # up longer than stable_s, then it dies
+        time.sleep(0.6)
+        with runs.open("a") as out:
+            out.write(f"end {time.monotonic()}\\n")
+        return 1
+    return REFUSED
+
+print(Supervisor(1, child, stable_s=0.5).run())
+"""
+
+
+def test_a_child_that_was_up_a_while_is_restarted_without_its_old_backoff(tmp_path):
+    """Deaths back off while they come quickly (0.05 s, doubling to 5 s); a child that
+    lived past ``stable_s`` starts over: its restart waits 0.05 s again, not 3.2 s."""
+    runs = tmp_path / "runs"
+    assert run_supervisor_script(BACKOFF_RESET, runs).strip() == "2"
+    events = [line.split() for line in runs.read_text().splitlines()]
+    starts = [float(t) for kind, t in events if kind == "start"]
+    (end,) = [float(t) for kind, t in events if kind == "end"]
+    assert len(starts) == 8
+    assert starts[6] - starts[5] >= 1.5, "the sixth quick death waited 1.6 s"
+    assert starts[7] - end < 1.5, f"restarted {starts[7] - end:.2f} s after a long life"
+
+
 MAKER_FAILURES = """
 import sys
 from pathlib import Path

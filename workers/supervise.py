@@ -58,6 +58,9 @@ def die_with_parent(parent_pid: int | None) -> None:
 
 
 _BACKOFF_S = (0.05, 5.0)
+#: A child that lived this long died of something else than its start: the backoff
+#: of its restart starts over (deaths are counted while they come quickly).
+STABLE_S = 10.0
 #: How often the supervisor looks for dead children and for a stop request.
 _POLL_S = 0.1
 #: How long children get to end after SIGTERM, when the supervisor stops, before SIGKILL.
@@ -125,12 +128,18 @@ class Supervisor:
     """Forks ``count`` children running ``run_child(k)`` and keeps them alive."""
 
     def __init__(
-        self, count: int, run_child: Callable[[int, bytes], int], prefix: str | None = None
+        self,
+        count: int,
+        run_child: Callable[[int, bytes], int],
+        prefix: str | None = None,
+        stable_s: float = STABLE_S,
     ) -> None:
         self.count = count
         self.run_child = run_child
+        self.stable_s = stable_s
         self.children: dict[int, int] = {}  # pid -> k
         self.deaths: dict[int, int] = {}  # k -> consecutive quick deaths
+        self.started: dict[int, float] = {}  # k -> when it was last forked (time.monotonic())
         self.restarts: dict[int, float] = {}  # k -> when to fork it again (time.monotonic())
         self.maker_failures: dict[int, int] = {}  # k -> env maker failures in a row
         #: k -> why that child was not restarted (one line each).
@@ -171,6 +180,7 @@ class Supervisor:
                 sys.stderr.flush()
                 os._exit(code)
         self.children[pid] = k
+        self.started[k] = time.monotonic()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -237,6 +247,8 @@ class Supervisor:
             log.info("env process %d: its pool closed; starting it again for the next pool", k)
             self.restarts[k] = time.monotonic() + _BACKOFF_S[0]
             return
+        if time.monotonic() - self.started.get(k, 0.0) >= self.stable_s:
+            self.deaths.pop(k, None)  # it had been up a while: not one of a run of quick deaths
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
         log.warning("env process %d (pid %d) ended (%d); restarting in %.2f s", k, pid, code, delay)
