@@ -12,10 +12,13 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from zmqpool.errors import (
+    BatchSizeMismatchError,
     CrashLoopError,
     EnvError,
     EnvLostError,
     EnvMakerError,
+    InputError,
+    MissingKeyError,
     NothingInFlightError,
     PoolClosedError,
     ProtocolError,
@@ -49,10 +52,13 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeMismatchError",
     "CrashLoopError",
     "EnvError",
     "EnvLostError",
     "EnvMakerError",
+    "InputError",
+    "MissingKeyError",
     "NothingInFlightError",
     "PoolClosedError",
     "PoolConfig",
