@@ -66,7 +66,14 @@ from tests.conformance import (
     expected_env_index,
     raised_by,
 )
-from zmqpool import EnvError, NothingInFlightError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool import (
+    BatchSizeMismatchError,
+    EnvError,
+    MissingKeyError,
+    NothingInFlightError,
+    PoolConfig,
+    ZMQAsyncEnvPool,
+)
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
 
 FAST = PoolConfig(register_timeout_s=90.0, close_timeout_s=3.0)
@@ -643,15 +650,108 @@ class TestCountingPool:
             for p in pair.pools:
                 drain(p, RECV_TIMEOUT)
 
-    def test_env_index_out_of_range_is_refused(self, pair):
+    @pytest.mark.parametrize("bad", [N, -N - 1], ids=["N", "-N-1"])
+    def test_env_index_out_of_range_is_refused(self, pair, bad):
         try:
-            assert_same_error(
-                lambda: pair.oracle.async_reset_send(env_index=[N]),
-                lambda: pair.zmq.async_reset_send(env_index=[N]),
+            error = assert_same_error(
+                lambda: pair.oracle.async_reset_send(env_index=[bad]),
+                lambda: pair.zmq.async_reset_send(env_index=[bad]),
+            )
+            assert str(error) == (
+                f"env index {bad} is out of range for a pool of {N} envs "
+                f"(0 to {N - 1}, or -{N} to -1)"
             )
         finally:
             # torchrl differs: it marks env N busy before failing on it; a phantom.
-            pair.oracle._busy.discard(N)
+            pair.oracle._busy.discard(bad)
+
+    # ------------------------------------------------------------ inputs that can never work
+
+    def test_a_tensordict_without_env_index_raises_keyerror_as_torchrl(self, pair):
+        error = assert_same_error(
+            lambda: pair.oracle.async_step_send(with_ones(pair.oracle, TensorDict({}, [N]))),
+            lambda: pair.zmq.async_step_send(with_ones(pair.zmq, TensorDict({}, [N]))),
+        )
+        assert isinstance(error, MissingKeyError)
+        assert str(error).startswith("the tensordict has no 'env_index' entry: pass env_index=")
+
+    @pytest.mark.parametrize("kind", ["step", "reset"])
+    def test_rows_that_do_not_match_env_index_raise_runtimeerror_as_torchrl(self, pair, kind):
+        # torchrl's pool: tensordict's RuntimeError ("Received a new batch size"), before
+        # anything is sent; ours a BatchSizeMismatchError, a RuntimeError and a ValueError.
+        def send(p):
+            td = TensorDict({}, [N]) if kind == "reset" else with_ones(p, p.reset())
+            getattr(p, f"async_{kind}_send")(td, env_index=[0, 1])
+
+        error = assert_same_error(lambda: send(pair.oracle), lambda: send(pair.zmq))
+        assert isinstance(error, BatchSizeMismatchError) and isinstance(error, ValueError)
+        assert (
+            str(error)
+            == f"the tensordict's batch size ({N},) does not match the 2 env indices [0, 1]"
+        )
+        assert not pair.oracle._busy and not pair.zmq._busy
+
+    # ------------------------------------------------------------ negative env indices
+
+    def test_a_negative_env_index_steps_the_env_counted_from_the_end(self, pair):
+        # torchrl's pool indexes its list of envs with it: env N-1 steps. Its result says
+        # -1; ours says N-1, the env's own index (README: "Drop-in").
+        def run(p):
+            r = p.reset()[[N - 1, 0]]
+            r["action"] = torch.tensor([[1], [0]], dtype=torch.int8)
+            p.async_step_send(r, env_index=[-1, 0])
+            return p.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert env_index_values(o) == [-1, 0]  # sorted by its labels
+        assert env_index_values(z) == [0, N - 1]
+        assert_same_td(o[[1, 0]].exclude(ENV_INDEX), z.exclude(ENV_INDEX), "env_index=[-1, 0]")
+
+        # The result goes straight back (its env_index names the same envs on both).
+        def resend(p, result):
+            again = step_mdp(result).set("action", torch.ones(2, 1, dtype=torch.int8))
+            p.async_step_send(again)
+            return p.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o2, z2 = resend(pair.oracle, o), resend(pair.zmq, z)
+        assert_same_td(o2[[1, 0]].exclude(ENV_INDEX), z2.exclude(ENV_INDEX), "its step_mdp resent")
+
+    @pytest.mark.parametrize("kind", ["step", "reset"])
+    def test_a_negative_env_index_names_an_env_s_own_channel(self, pair, kind):
+        def run(p):
+            r = self._per_env_reset(p, -1)
+            if kind == "reset":
+                return r
+            r.set("action", torch.ones((*r.shape, 1)))
+            p.async_step_send(r, env_index=-1)
+            return p.async_step_recv(env_index=-1, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert int(o[ENV_INDEX]) == -1 and int(z[ENV_INDEX]) == N - 1
+        assert_same_td(o.exclude(ENV_INDEX), z.exclude(ENV_INDEX), f"per-env {kind} of env -1")
+        # Ours knows the env by one number: sent as -1, its channel is env N-1's.
+        pair.zmq.async_reset_send(env_index=-1)
+        own = pair.zmq.async_reset_recv(env_index=N - 1, timeout=RECV_TIMEOUT)
+        assert int(own[ENV_INDEX]) == N - 1
+
+    def test_a_negative_env_index_is_busy_with_its_env(self, pair):
+        # torchrl's pool would step env N-1 twice at once (it tracks -1 and N-1 apart).
+        pair.zmq.async_reset_send(env_index=[-1])
+        try:
+            with pytest.raises(RuntimeError, match="Some envs are still processing"):
+                pair.zmq.async_reset_send(env_index=[N - 1])
+            with pytest.raises(ValueError, match=rf"repeat env \[{N - 1}\]"):
+                pair.zmq.async_reset_send(env_index=[N - 1, -1])
+        finally:
+            drain(pair.zmq, RECV_TIMEOUT)
+
+    def test_a_negative_timeout_on_an_env_s_own_channel_is_refused(self, pair):
+        # As on the batch channel (torchrl's pool ignores timeout on an env's own channel).
+        pair.zmq.async_reset_send(env_index=1)
+        with pytest.raises(ValueError, match="timeout must be non-negative, got -1"):
+            pair.zmq.async_reset_recv(env_index=1, timeout=-1)
+        out = pair.zmq.async_reset_recv(env_index=1, timeout=RECV_TIMEOUT)  # still there
+        assert int(out[ENV_INDEX]) == 1
 
     # ------------------------------------------------------------ torchrl's tooling
 
@@ -782,6 +882,66 @@ class TestCountingPool:
 
 
 # ====================================================================== min_get / max_get / timeout
+
+
+def plain_makers() -> list[Callable]:
+    """zmqpool's CountingEnv (float32 action), whose step reads ``tensordict["action"]``."""
+    return [functools.partial(ZMQCountingEnv, env_id=i) for i in range(N)]
+
+
+@pytest.fixture(scope="class")
+def plain():
+    yield from serve(
+        AsyncEnvPool(plain_makers(), backend="threading"),
+        lambda: ZMQAsyncEnvPool(plain_makers(), config=FAST),
+    )
+
+
+class TestMissingAction:
+    """A step input without its action: the env's KeyError on torchrl's pool; ours, at the send."""
+
+    @pytest.fixture
+    def pair(self, plain) -> Pair:
+        return plain.settle()
+
+    @staticmethod
+    def _without_action_then_recv(p: Any, call: str) -> Any:
+        """``call`` with a reset's result (no action), and its recv where it has one."""
+        if call in ("step", "step_and_maybe_reset"):
+            return getattr(p, call)(p.reset())
+        if call == "own-channel":
+            r = TestCountingPool._per_env_reset(p, 1)
+            p.async_step_send(r, env_index=1)
+            return p.async_step_recv(env_index=1, timeout=RECV_TIMEOUT)
+        getattr(p, f"{call}_send")(p.reset())
+        return getattr(p, f"{call}_recv")(min_get=N, timeout=RECV_TIMEOUT)
+
+    @pytest.mark.parametrize(
+        "call",
+        ["step", "step_and_maybe_reset", "async_step", "async_step_and_maybe_reset", "own-channel"],
+    )
+    def test_a_step_without_its_action_raises_keyerror_as_torchrl(self, pair, call):
+        # torchrl's pool hands the input to the env, whose tensordict["action"] raises
+        # KeyError (SerialEnv's too); ours refuses it at the send with a MissingKeyError,
+        # also a ValueError. (torchrl's mocking CountingEnv gets it with a default of None
+        # and raises AttributeError: which class an env raises is the env's.)
+        oracle = AsyncEnvPool(plain_makers(), backend="threading")  # an error wedges it
+        try:
+            error = assert_same_error(
+                lambda: self._without_action_then_recv(oracle, call),
+                lambda: self._without_action_then_recv(pair.zmq, call),
+            )
+        finally:
+            oracle.close(raise_if_closed=False)
+        assert isinstance(error, MissingKeyError) and isinstance(error, ValueError)
+        shape = "(1,)" if call == "own-channel" else f"({N}, 1)"
+        assert str(error) == (
+            "the step input has no action 'action': expected a torch.float32 tensor of shape "
+            + shape
+        )
+        assert not pair.zmq._busy  # refused before anything was sent
+        assert pair.zmq.rand_step(pair.zmq.reset()).batch_size == (N,)
+
 
 #: Per-env step delays (s): env 1 answers first, then env 0, env 2 long after.
 DELAYS = (0.3, 0.0, 1.5)

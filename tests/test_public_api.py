@@ -8,11 +8,14 @@ import zmqpool
 
 def test_public_names_are_pinned():
     assert sorted(zmqpool.__all__) == [
+        "BatchSizeMismatchError",
         "CrashLoopError",
         "EnvBusyError",
         "EnvError",
         "EnvLostError",
         "EnvMakerError",
+        "InputError",
+        "MissingKeyError",
         "NothingInFlightError",
         "PoolClosedError",
         "PoolConfig",
@@ -33,6 +36,12 @@ def test_error_tree_keeps_torchrl_compatible_bases():
     assert issubclass(zmqpool.ProtocolError, ValueError)
     assert issubclass(zmqpool.NothingInFlightError, (RuntimeError, KeyError))
     assert str(zmqpool.NothingInFlightError("env 1: nothing")) == "env 1: nothing"
+    # Refused inputs: ValueError, and the builtin torchrl's pool raises for the same input.
+    for base in (zmqpool.InputError, ValueError, KeyError):
+        assert issubclass(zmqpool.MissingKeyError, base)
+    assert str(zmqpool.MissingKeyError("no action 'action'")) == "no action 'action'"
+    for base in (zmqpool.InputError, ValueError, RuntimeError):
+        assert issubclass(zmqpool.BatchSizeMismatchError, base)
     assert issubclass(zmqpool.CrashLoopError, zmqpool.EnvLostError)
     assert issubclass(zmqpool.RecvTimeoutError, TimeoutError)
     assert issubclass(zmqpool.EnvBusyError, RuntimeError)

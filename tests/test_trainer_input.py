@@ -25,7 +25,7 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 
 from tests.conftest import FAST
-from zmqpool import ZMQAsyncEnvPool
+from zmqpool import BatchSizeMismatchError, MissingKeyError, ZMQAsyncEnvPool
 from zmqpool.partial import masked_envs
 from zmqpool.testing import CountingEnv
 from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input, env_index_arg
@@ -132,9 +132,14 @@ def test_a_single_env_input_is_checked_without_the_env_dim():
 @pytest.mark.parametrize(
     ("indices", "error", "match"),
     [
-        ([0, 2], IndexError, r"env index 2 is out of range for a pool of 2 envs \(0 to 1\)"),
-        ([-1, 0], IndexError, "env index -1 is out of range"),
+        (
+            [0, 2],
+            IndexError,
+            r"env index 2 is out of range for a pool of 2 envs \(0 to 1, or -2 to -1\)",
+        ),
+        ([-3, 0], IndexError, "env index -3 is out of range"),
         ([1, 1], ValueError, r"repeat env \[1\]"),
+        ([1, -1], ValueError, r"env indices \[1, -1\] repeat env \[1\]"),
         ([0, 1.0], TypeError, "must be integers"),
         ([True, 0], TypeError, "must be integers"),
         ("01", TypeError, "an int or a list of ints"),
@@ -145,6 +150,48 @@ def test_bad_env_indices(indices, error, match):
         check_step_input(actions(2), indices, pool_input_spec(), NUM)
     with pytest.raises(error, match=match):
         check_env_indices(indices, NUM)
+
+
+@pytest.mark.parametrize(
+    ("indices", "expected"),
+    [
+        ([-1, 0], [1, 0]),
+        ([-2, -1], [0, 1]),
+        (-1, 1),
+        (np.array([-1]), [1]),
+        (torch.tensor([-2, 1]), [0, 1]),
+        (np.int64(-2), 0),
+        (torch.tensor(-1), 1),
+    ],
+    ids=["list", "all-negative", "int", "array", "tensor", "np.int64", "0-d tensor"],
+)
+def test_negative_env_indices_count_from_the_end_as_a_list_s_do(indices, expected):
+    # torchrl's pool indexes its list of envs with them; each is that env's index here.
+    assert env_index_arg(indices, NUM) == expected
+    assert check_env_indices(indices, NUM) == (
+        expected if isinstance(expected, list) else [expected]
+    )
+
+
+def test_the_common_env_indices_are_returned_as_given():
+    # The hot path: a list of in-range Python ints is copied, not rebuilt index by index.
+    given = [1, 0]
+    assert env_index_arg(given, NUM) == given and env_index_arg(given, NUM) is not given
+
+
+def test_inputs_that_can_never_work_raise_torchrl_s_classes_too():
+    # A missing action: the env's KeyError on torchrl's pool; rows that do not match the
+    # indices: tensordict's RuntimeError. Both stay the ValueError they were.
+    spec = pool_input_spec()
+    with pytest.raises(MissingKeyError) as missing:
+        check_step_input(TensorDict({"observation": torch.zeros(2, 4)}, [2]), [0, 1], spec, NUM)
+    assert isinstance(missing.value, KeyError) and isinstance(missing.value, ValueError)
+    assert str(missing.value) == (  # not KeyError's quoted repr
+        "the step input has no action 'action': expected a torch.float32 tensor of shape (2, 1)"
+    )
+    with pytest.raises(BatchSizeMismatchError) as rows:
+        check_step_input(actions(3), [0, 1], spec, NUM)
+    assert isinstance(rows.value, RuntimeError) and isinstance(rows.value, ValueError)
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,14 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from zmqpool.errors import (
+    BatchSizeMismatchError,
     CrashLoopError,
     EnvBusyError,
     EnvError,
     EnvLostError,
     EnvMakerError,
+    InputError,
+    MissingKeyError,
     NothingInFlightError,
     PoolClosedError,
     ProtocolError,
@@ -52,11 +55,14 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeMismatchError",
     "CrashLoopError",
     "EnvBusyError",
     "EnvError",
     "EnvLostError",
     "EnvMakerError",
+    "InputError",
+    "MissingKeyError",
     "NothingInFlightError",
     "PoolClosedError",
     "PoolConfig",

@@ -12,6 +12,10 @@ argument::
     ZMQPoolError
     ├── ProtocolError (ValueError)       a frame or header that breaks the wire contract
     │   └── VersionMismatchError         a peer speaking another protocol version
+    ├── InputError (ValueError)          a send's input that can never work, refused at the send
+    │   ├── MissingKeyError (KeyError)   an entry the envs need is missing (the action)
+    │   └── BatchSizeMismatchError (RuntimeError)
+    │                                    rows that do not match env_index
     ├── RegistrationError (RuntimeError) a worker refused, or slots left unfilled
     ├── EnvError (RuntimeError)          an env raised in a worker; carries its traceback
     │   ├── EnvValueError (ValueError), EnvKeyError (KeyError)...
@@ -45,6 +49,36 @@ class ProtocolError(ZMQPoolError, ValueError):
 
 class VersionMismatchError(ProtocolError):
     """A peer speaks another protocol version."""
+
+
+class InputError(ZMQPoolError, ValueError):
+    """An input of a send that can never work, refused in the caller's stack before it is sent.
+
+    A ``ValueError``; where torchrl's pool (or ``SerialEnv``) raises another
+    builtin for the same input, the subclass is that builtin too, so that
+    ``except KeyError`` written against torchrl's pool keeps working.
+    """
+
+    #: The text, even in a subclass that is also a ``KeyError`` (whose own quotes it).
+    __str__ = BaseException.__str__
+
+
+class MissingKeyError(InputError, KeyError):
+    """An input lacks an entry the envs need: the action of a step, or the ``env_index``
+    of a tensordict sent without ``env_index=``.
+
+    torchrl's pool hands the input to the env, whose ``tensordict.get`` raises
+    ``KeyError``; this is a ``KeyError`` too, raised before anything is sent.
+    """
+
+
+class BatchSizeMismatchError(InputError, RuntimeError):
+    """A tensordict whose rows (its leading batch dim) do not match the env indices it is sent to.
+
+    torchrl's pool raises ``RuntimeError`` (tensordict's "Received a new batch
+    size"), as the pool's own sync calls do for a tensordict of another batch
+    size: this is a ``RuntimeError`` too.
+    """
 
 
 class RegistrationError(ZMQPoolError, RuntimeError):

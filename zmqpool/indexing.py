@@ -5,8 +5,11 @@ channel; a list: a batch), or by the ``env_index`` entry of its tensordict
 (as every result of the pool carries it). :class:`EnvIndexer` turns either
 into the batch to send and its list of indices, refusing what can never
 work: an index out of range, repeated or not an integer, rows that do not
-match the indices, a tensordict that names no env. Integers of any kind
-(numpy's, a 1-d integer tensor) are taken as Python ints.
+match the indices (:class:`~zmqpool.errors.BatchSizeMismatchError`), a
+tensordict that names no env (:class:`~zmqpool.errors.MissingKeyError`).
+Integers of any kind (numpy's, a 1-d integer tensor) are taken as Python
+ints; a negative one counts from the end (``-1``: env ``N-1``) and is
+replaced by that env's index, in the result's ``env_index`` too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, TypeGuard
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
+from zmqpool.errors import BatchSizeMismatchError, MissingKeyError
 from zmqpool.validation import env_index_arg
 
 ENV_INDEX = "env_index"
@@ -108,7 +112,7 @@ class EnvIndexer:
         if tensordict is None:
             raise TypeError("a tensordict with an 'env_index' entry, or env_index=, is needed")
         if ENV_INDEX not in tensordict:
-            raise KeyError(
+            raise MissingKeyError(
                 "the tensordict has no 'env_index' entry: pass env_index= or set it "
                 "(results of this pool carry it)"
             )
@@ -140,7 +144,7 @@ class EnvIndexer:
     def check_rows(env_idx: list[int], tensordict: TensorDictBase | None) -> None:
         """Refuse a batch whose rows do not match its env indices, before anything is written."""
         if tensordict is not None and tensordict.batch_size[:1] != torch.Size([len(env_idx)]):
-            raise ValueError(
+            raise BatchSizeMismatchError(
                 f"the tensordict's batch size {tuple(tensordict.batch_size)} does not match "
                 f"the {len(env_idx)} env indices {env_idx}"
             )

@@ -635,6 +635,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._check_open()
         if env_index is not None:
             env_index = self._indexer.one(env_index)
+            _check_timeout(timeout)  # torchrl's pool ignores it here: refused as on the batch's
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
             replies = self._runtime.collect(channel, 1, 1, timeout, self._raise_taken)
@@ -666,8 +667,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise ValueError(f"min_get must be positive, got {min_get}.")
         if max_get is not None and max_get < min_get:
             raise ValueError(f"max_get ({max_get}) must be >= min_get ({min_get}).")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be non-negative, got {timeout}.")
+        _check_timeout(timeout)
         if min_get > self._awaiting(kind):
             raise TooFewInFlightError(
                 f"Cannot await {min_get} {kind.value} when only "
@@ -821,6 +821,12 @@ def _as_list(value: Any) -> list[Any]:
 
 def _is_empty(env_makers: Any) -> bool:
     return isinstance(env_makers, (list, tuple)) and not env_makers
+
+
+def _check_timeout(timeout: float | None) -> None:
+    """torchrl's check of a recv's ``timeout``, on the batch channel and on an env's own."""
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout must be non-negative, got {timeout}.")
 
 
 def _envs_device(child_specs: Sequence[Any]) -> torch.device | None:

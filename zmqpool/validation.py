@@ -7,9 +7,14 @@ what can never work is refused, at the send, in the trainer's own stack,
 naming what is wrong:
 
 - ``TypeError``: an env index that is not an integer;
-- ``IndexError``: an env index out of range;
-- ``ValueError``: a repeated env index, a tensordict whose leading batch
-  dimension does not match the env indices, a missing action key.
+- ``IndexError``: an env index out of range (``-N`` to ``-1`` count from
+  the end, as a Python list's do, and name envs ``N-1`` to ``0``);
+- ``ValueError``: a repeated env index;
+- :class:`~zmqpool.errors.BatchSizeMismatchError` (a ``ValueError`` and the
+  ``RuntimeError`` torchrl's pool raises): a tensordict whose leading batch
+  dimension does not match the env indices;
+- :class:`~zmqpool.errors.MissingKeyError` (a ``ValueError`` and the
+  ``KeyError`` the env would raise): a missing action key.
 
 With ``strict=True`` (``PoolConfig(strict_inputs=True)``), an opt-in, an
 action (or a state entry, when present) of another dtype or shape than the
@@ -29,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from zmqpool.errors import BatchSizeMismatchError, MissingKeyError
 
 __all__ = [
     "StepInputSpec",
@@ -50,10 +57,12 @@ def check_env_indices(env_indices: Any, num_envs: int) -> list[int]:
     Example:
         >>> check_env_indices([2, 0], num_envs=4)
         [2, 0]
+        >>> check_env_indices([-1, 0], num_envs=4)  # from the end, as a list's
+        [3, 0]
         >>> check_env_indices([0, 4], num_envs=4)
         Traceback (most recent call last):
         ...
-        IndexError: env index 4 is out of range for a pool of 4 envs (0 to 3)
+        IndexError: env index 4 is out of range for a pool of 4 envs (0 to 3, or -4 to -1)
     """
     indices = _checked(env_indices, num_envs)
     return [indices] if isinstance(indices, int) else indices
@@ -64,15 +73,20 @@ def env_index_arg(env_index: Any, num_envs: int) -> int | list[int] | None:
 
     An integer of any kind names one env (Python's, numpy's, a 0-d integer
     tensor or array); a sequence of them, a 1-d integer numpy array or tensor,
-    several. Refused, naming what is wrong: ``TypeError`` for anything not
-    integers (a float, a bool: a boolean mask is not a list of envs), and for
-    a string or a tensor of more dims; ``IndexError`` for an index out of
-    range; ``ValueError`` for an env named twice.
+    several. A negative index counts from the end, as a Python list's does
+    (``-1`` is env ``N-1``), and is returned as that env's index: results,
+    busy envs and an env's own channel know each env by one number.
+    Refused, naming what is wrong: ``TypeError`` for anything not integers (a
+    float, a bool: a boolean mask is not a list of envs), and for a string or
+    a tensor of more dims; ``IndexError`` for an index out of range (below
+    ``-N`` or above ``N-1``); ``ValueError`` for an env named twice.
 
     Example:
         >>> env_index_arg(np.array([2, 0]), num_envs=4)
         [2, 0]
         >>> env_index_arg(torch.tensor(3), num_envs=4)
+        3
+        >>> env_index_arg(-1, num_envs=4)
         3
         >>> env_index_arg(torch.tensor([0.0, 1.0]), num_envs=4)
         Traceback (most recent call last):
@@ -90,14 +104,14 @@ def _checked(env_index: Any, num_envs: int) -> int | list[int]:
     else:
         one = _one_index(env_index)
         if one is not None:
-            _check_range([one], num_envs)
-            return one
+            return _in_range([one], num_envs)[0]
         indices = [_as_index(i) for i in _index_items(env_index)]
-    _check_range(indices, num_envs)
+    given = indices
+    indices = _in_range(indices, num_envs)
     if len(set(indices)) != len(indices):
         repeated = sorted({i for i in indices if indices.count(i) > 1})
         raise ValueError(
-            f"env indices {indices} repeat env {repeated}: an env takes one request at a time"
+            f"env indices {given} repeat env {repeated}: an env takes one request at a time"
         )
     return indices
 
@@ -142,12 +156,18 @@ def _check_integer_dtype(value: torch.Tensor | np.ndarray) -> None:
         raise TypeError(f"env indices must be integers, got a {kind} of {value.dtype}")
 
 
-def _check_range(indices: list[int], num_envs: int) -> None:
+def _in_range(indices: list[int], num_envs: int) -> list[int]:
+    """``indices``, negative ones counted from the end (``-1``: ``N-1``); ``IndexError`` if out
+    of range. The usual call, indices from 0 to N-1, costs a ``min`` and a ``max``."""
     if indices and (min(indices) < 0 or max(indices) >= num_envs):
-        bad = next(i for i in indices if not 0 <= i < num_envs)
-        raise IndexError(
-            f"env index {bad} is out of range for a pool of {num_envs} envs (0 to {num_envs - 1})"
-        )
+        bad = next((i for i in indices if not -num_envs <= i < num_envs), None)
+        if bad is not None:
+            raise IndexError(
+                f"env index {bad} is out of range for a pool of {num_envs} envs "
+                f"(0 to {num_envs - 1}, or -{num_envs} to -1)"
+            )
+        return [i + num_envs if i < 0 else i for i in indices]
+    return indices
 
 
 def _as_index(value: Any) -> int:
@@ -219,7 +239,7 @@ class StepInputSpec:
         """Check ``td``, one row per env of ``indices`` (checked already, as
         :func:`env_index_arg` returns them): the pool's send, which checked them."""
         if td.batch_size[:1] != (len(indices),):
-            raise ValueError(
+            raise BatchSizeMismatchError(
                 f"the tensordict's batch size {tuple(td.batch_size)} does not match the "
                 f"{len(indices)} env indices {indices}: its first dim must be {len(indices)}"
             )
@@ -269,7 +289,7 @@ def _check_entry(
 def _missing(expected: Expected, lead: tuple[int, ...]) -> None:
     """Refuse an input without ``expected``, if the envs need it."""
     if expected.required:
-        raise ValueError(
+        raise MissingKeyError(
             f"the step input has no {expected.role} {expected.key!r}: expected a "
             f"{expected.dtype} tensor of shape {lead + expected.shape}"
         )
