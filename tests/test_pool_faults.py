@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST
+from tests.conftest import FAST, awaited
 from zmqpool import EnvError, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv, FaultyEnv
 
@@ -46,7 +46,7 @@ def test_env_error_names_the_env_and_carries_its_traceback(odd_pool):
     assert info.value.env_index == RAISING
     assert f"FaultyEnv {RAISING} failed at step 2" in info.value.remote_traceback
     assert "Traceback" in str(info.value)
-    assert not odd_pool._busy
+    assert not awaited(odd_pool)
 
 
 def test_other_envs_stay_usable_after_an_env_error(odd_pool):

@@ -358,7 +358,9 @@ def test_a_restart_that_never_registers_ends_in_a_crash_loop_not_a_hang(tmp_path
     pool, _ = hanging_restart_pool(tmp_path, max_restarts=1)
     try:
         pool.async_step_send(actions([0.1, 0.2]), env_index=[0, 1])
-        assert ids(pool.async_step_recv(min_get=1)) == [1]  # the other env carries on
+        # max_get: with a timeout, a recv would go on batching until env 0's answer too
+        out = pool.async_step_recv(min_get=1, max_get=1, timeout=60)
+        assert ids(out) == [1]  # the other env carries on
         start = time.monotonic()
         with pytest.raises(CrashLoopError) as info:
             pool.async_step_recv(min_get=1, timeout=20)
@@ -399,7 +401,7 @@ def test_close_during_a_restart_kills_the_unregistered_worker_at_once(tmp_path, 
         while pool.runtime.roster.local[0].process in (old, None):  # until its restart is forked
             assert time.monotonic() < deadline, "env 0's worker was never restarted"
             pool.async_step_send(actions([0.1]), env_index=[1])
-            assert ids(pool.async_step_recv(min_get=1)) == [1]
+            assert ids(pool.async_step_recv(min_get=1, timeout=60)) == [1]
         new = pool.runtime.roster.local[0]
         assert new.phase is WorkerPhase.STARTING and new.process is not None
         pid = new.process.pid
