@@ -25,10 +25,16 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 
 from tests.conftest import FAST, awaited
-from zmqpool import EnvError, ZMQAsyncEnvPool
+from zmqpool import EnvError, ZMQAsyncEnvPool, validation
 from zmqpool.partial import masked_envs
 from zmqpool.testing import CountingEnv
-from zmqpool.validation import StepInputSpec, check_env_indices, check_step_input, env_index_arg
+from zmqpool.validation import (
+    StepInputSpec,
+    check_env_indices,
+    check_step_input,
+    env_index_arg,
+    step_input_spec,
+)
 
 NUM = 2
 
@@ -241,14 +247,21 @@ def test_envs_whose_action_shapes_differ_accept_any_size_in_that_dim():
         )
 
 
-def test_expectations_are_worked_out_once_per_spec():
+def test_expectations_are_worked_out_once_per_spec(monkeypatch):
+    built = []
+
+    class Counted(StepInputSpec):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "StepInputSpec", Counted)  # the class the module builds
     spec = pool_input_spec()
     check_step_input(actions(2), [0, 1], spec, NUM)
-    from zmqpool import validation
-
-    cached = validation._CACHE[(id(spec), NUM, False)][1]
     check_step_input(actions(1), [1], spec, NUM)
-    assert validation._CACHE[(id(spec), NUM, False)][1] is cached
+    assert len(built) == 1
+    assert step_input_spec(spec, NUM) is step_input_spec(spec, NUM)
+    assert step_input_spec(spec, NUM, strict=True) is not step_input_spec(spec, NUM)
     assert [e.key for e in StepInputSpec(spec, NUM).expected] == ["action"]  # not env_index
     assert [e.key for e in StepInputSpec(spec, NUM, strict=True).expected] == ["action"]
 
