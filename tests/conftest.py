@@ -19,6 +19,7 @@ from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_rem
 from zmqpool import PoolConfig, ZMQAsyncEnvPool, keep_fork_server
 from zmqpool import cli as zmqpool_cli
 from zmqpool.security import write_keys
+from zmqpool.state import Kind
 from zmqpool.testing import CountingEnv
 
 faulthandler.enable()
@@ -146,10 +147,21 @@ def _mixed_pool(host: RemoteHost, keys):
         stop(worker)
 
 
+def awaited(pool: ZMQAsyncEnvPool) -> dict[tuple[str, int | None], int]:
+    """The requests no recv has taken yet, by channel (kind, env or None): empty when idle.
+
+    Read through the runtime's documented read-only API (``awaiting``), not the
+    private ``_busy`` set the pool keeps for torchrl's code.
+    """
+    envs = [None, *range(pool.batch_size[0])]
+    counts = {(k.value, env): pool.runtime.awaiting((k, env)) for k in Kind for env in envs}
+    return {channel: n for channel, n in counts.items() if n}
+
+
 @pytest.fixture
 def fresh(pool):
     """The shared pool, reset, with nothing in flight."""
-    assert not pool._busy, "a previous test left envs busy"
+    assert not awaited(pool), "a previous test left envs busy"
     return pool.reset()
 
 

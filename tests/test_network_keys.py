@@ -165,7 +165,7 @@ def test_an_amplified_spec_costs_the_pool_nothing(tmp_path, key_dir, context, po
     """Finding 5: a ~1.3 kB REGISTER declaring a 2**26-element Bounded spec (bounds broadcast).
 
     ``mixed``: a local env sets the reference, which the spec does not match:
-    refused before anything is built. ``remote-only`` (no ``remote_spec``):
+    refused ("spec mismatch") before anything is built. ``remote-only`` (no ``remote_spec``):
     nothing to compare with, so ``max_remote_spec_bytes`` (256 MiB, counted as
     built: low + high + zero = 768 MiB here) must refuse it. Either way the
     peer gets a REFUSE and the pool's peak and settled RSS stay within 100 MB
@@ -177,8 +177,7 @@ def test_an_amplified_spec_costs_the_pool_nothing(tmp_path, key_dir, context, po
         hello = victim.hello
         body = hello.register_body([amplified(hello.spec)])
         size = len(hello.header("REGISTER", body))
-        if local:  # the local env registers before the remote side binds (or, before, soon after)
-            time.sleep(0.5)
+        # No wait for the local env: the remote side binds only once the local envs are in.
         before = hostile.settled_rss(victim.pid)
         peak_reset = reset_peak(victim.pid)
         peak_before = hostile.peak_rss_bytes(victim.pid)
@@ -199,6 +198,8 @@ def test_an_amplified_spec_costs_the_pool_nothing(tmp_path, key_dir, context, po
     )
     print(figures)
     assert reply is None and refusals, f"the amplified spec was not refused: {figures}"
+    why = "spec mismatch" if local else "would cost more than"  # which check refused it
+    assert all(why in refusal for refusal in refusals), figures
     assert growth < 100 * MB and peak_growth < 100 * MB, figures
 
 

@@ -12,7 +12,7 @@ from tensordict import NonTensorStack, TensorDict
 from torchrl.envs import AsyncEnvPool, StepCounter, TransformedEnv
 from torchrl.envs.utils import check_env_specs
 
-from tests.conftest import NUM_ENVS, action_for
+from tests.conftest import NUM_ENVS, action_for, awaited
 from zmqpool import EnvBusyError, TooFewInFlightError
 from zmqpool.testing import CountingEnv
 
@@ -110,13 +110,13 @@ def test_per_env_channel(pool, fresh):
     single = fresh[2]
     single["action"] = torch.tensor([0.25])
     pool.async_step_send(single, env_index=2)
-    out = pool.async_step_recv(env_index=2)
+    out = pool.async_step_recv(env_index=2, timeout=30)
     # As torchrl's: the env's own tensordict (its batch size), env_index a NonTensorData.
     assert out.batch_size == () and out["env_index"] == 2
     assert out["next", "observation"][0].item() == 2.0
     assert out["next", "observation"][2].item() == 0.25
     pool.async_reset_send(env_index=1)
-    reset = pool.async_reset_recv(env_index=1)
+    reset = pool.async_reset_recv(env_index=1, timeout=30)
     assert reset.batch_size == () and reset["env_index"] == 1
     assert reset["observation"][:2].tolist() == [1.0, 0.0]
 
@@ -172,7 +172,7 @@ def test_bad_trainer_input_is_refused_before_sending(pool, fresh):
         pool.async_step_send(fresh[[0, 1]], env_index=[1, 1])
     with pytest.raises(ValueError, match="batch size"):
         pool.async_step_send(fresh[[0, 1]], env_index=[0, 1, 2])
-    assert not pool._busy
+    assert not awaited(pool)
     pool.reset()  # still usable
 
 

@@ -7,22 +7,22 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST
+from tests.conftest import FAST, awaited
 from zmqpool import EnvError, RecvTimeoutError, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv, FaultyEnv
 
-RAISING, SLOW, PLAIN = 0, 1, 2
+RAISING, SLOW, PLAIN = 2, 1, 0  # an error names its env: not the first one
 
 
 @pytest.fixture(scope="module")
 def odd_pool():
-    """env 0 raises at step 2 of every episode, env 1 takes 0.4 s a step, env 2 is plain."""
+    """env 0 is plain, env 1 takes 0.4 s a step, env 2 raises at step 2 of every episode."""
     p = ZMQAsyncEnvPool(
-        [FaultyEnv, CountingEnv, CountingEnv],
+        [CountingEnv, CountingEnv, FaultyEnv],
         create_env_kwargs=[
-            {"env_id": 0, "fault": "raise", "fault_at": 2},
-            {"env_id": 1, "step_sleep_s": (0.4, 0.4)},
-            {"env_id": 2},
+            {"env_id": PLAIN},
+            {"env_id": SLOW, "step_sleep_s": (0.4, 0.4)},
+            {"env_id": RAISING, "fault": "raise", "fault_at": 2},
         ],
         config=FAST,
     )
@@ -44,9 +44,9 @@ def test_env_error_names_the_env_and_carries_its_traceback(odd_pool):
     with pytest.raises(EnvError) as info:
         odd_pool.async_step_recv(min_get=1, timeout=30)
     assert info.value.env_index == RAISING
-    assert "FaultyEnv 0 failed at step 2" in info.value.remote_traceback
+    assert f"FaultyEnv {RAISING} failed at step 2" in info.value.remote_traceback
     assert "Traceback" in str(info.value)
-    assert not odd_pool._busy
+    assert not awaited(odd_pool)
 
 
 def test_other_envs_stay_usable_after_an_env_error(odd_pool):
@@ -63,7 +63,7 @@ def test_other_envs_stay_usable_after_an_env_error(odd_pool):
     assert [int(i) for i in out["env_index"]] == [PLAIN]
     # The raising env itself still answers: a reset brings it back.
     odd_pool.async_reset_send(env_index=[RAISING])
-    assert odd_pool.async_reset_recv(min_get=1, timeout=30)["observation"][0, 0] == 0
+    assert odd_pool.async_reset_recv(min_get=1, timeout=30)["observation"][0, 0] == RAISING
 
 
 def test_timeout_raises_and_keeps_the_result_for_the_next_call(odd_pool):
@@ -72,7 +72,7 @@ def test_timeout_raises_and_keeps_the_result_for_the_next_call(odd_pool):
     with pytest.raises(RecvTimeoutError):  # a TimeoutError, and a ZMQPoolError
         odd_pool.async_step_recv(min_get=1, timeout=0.05)
     out = odd_pool.async_step_recv(min_get=1, timeout=30)
-    assert out["next", "observation"][0, :2].tolist() == [1.0, 1.0]
+    assert out["next", "observation"][0, :2].tolist() == [SLOW, 1.0]
 
 
 def test_timeout_bounds_the_call_once_min_get_is_met(odd_pool):
@@ -94,7 +94,7 @@ def test_sync_calls_after_an_env_error_find_the_pool_idle(odd_pool):
     td = odd_pool.step(td)["next"]  # count 1 everywhere
     td["action"] = torch.full((3, 1), 0.5)
     with pytest.raises(EnvError) as info:
-        odd_pool.step(td)  # env 0 raises at its step 2
+        odd_pool.step(td)  # env RAISING raises at its step 2
     assert info.value.env_index == RAISING and isinstance(info.value, ValueError)  # as SerialEnv
     td = odd_pool.reset()
     td["action"] = torch.full((3, 1), 0.5)
@@ -126,14 +126,14 @@ def test_timeout_bounds_a_recv_on_an_env_s_own_channel(odd_pool):
     with pytest.raises(TimeoutError):
         odd_pool.async_step_recv(env_index=SLOW, timeout=0.05)
     out = odd_pool.async_step_recv(env_index=SLOW, timeout=30)  # kept for the next call
-    assert int(out["env_index"]) == SLOW and out["next", "observation"][:2].tolist() == [1.0, 1.0]
+    assert int(out["env_index"]) == SLOW and out["next", "observation"][:2].tolist() == [SLOW, 1]
 
 
 def test_an_env_s_own_channel_answers_a_result_before_a_later_error(odd_pool):
-    """Two sends on env 0's own channel, the second raising: the first recv gets the result.
+    """Two sends on the raising env's own channel, the second raising: the first recv gets it.
 
     Both replies are in before the first recv (the pool reads them while it
-    waits for env 1 on the batch channel). The error used to be raised first,
+    waits for the slow env on the batch channel). The error used to be raised first,
     and every recv after it then took the answer of the request before its own.
     """
     td = odd_pool.reset()
@@ -143,11 +143,11 @@ def test_an_env_s_own_channel_answers_a_result_before_a_later_error(odd_pool):
     odd_pool.async_step_send(own.clone(), env_index=RAISING)  # step 2: raises
     deadline = time.monotonic() + 30
     while odd_pool.env_stats()[RAISING]["in_flight"]:  # pump: step the slow env meanwhile
-        assert time.monotonic() < deadline, "env 0 did not answer both in 30 s"
+        assert time.monotonic() < deadline, "the raising env did not answer both in 30 s"
         odd_pool.async_step_send(one(td, SLOW), env_index=[SLOW])
         odd_pool.async_step_recv(min_get=1, timeout=30)
     first = odd_pool.async_step_recv(env_index=RAISING, timeout=30)
-    assert first["next", "observation"][:2].tolist() == [0.0, 1.0]
+    assert first["next", "observation"][:2].tolist() == [RAISING, 1.0]
     with pytest.raises(EnvError, match="failed at step 2"):
         odd_pool.async_step_recv(env_index=RAISING, timeout=30)
 
@@ -166,6 +166,6 @@ def test_an_input_too_large_to_send_is_answered_in_its_turn_on_an_env_s_own_chan
     too_large = own.clone().set("junk", torch.zeros(4 << 20, dtype=torch.uint8))
     odd_pool.async_step_send(too_large, env_index=SLOW)
     first = odd_pool.async_step_recv(env_index=SLOW, timeout=30)
-    assert first["next", "observation"][:2].tolist() == [1.0, 1.0]
+    assert first["next", "observation"][:2].tolist() == [SLOW, 1.0]
     with pytest.raises(EnvError, match="frame"):
         odd_pool.async_step_recv(env_index=SLOW, timeout=30)

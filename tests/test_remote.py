@@ -39,6 +39,11 @@ BEATS = PoolConfig(
 FAST_BEATS = ("--heartbeat-interval", "0.2")
 
 
+def curve_admissions(caplog) -> list[str]:
+    """The CURVE handshakes the pool's ZAP handler allowed (pyzmq's zmq.auth debug log)."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("ALLOWED (CURVE)")]
+
+
 def remote_pool(host, port, keys, config=BEATS, **kwargs) -> ZMQAsyncEnvPool:
     return ZMQAsyncEnvPool(
         [],
@@ -368,7 +373,9 @@ def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_hos
                 stop(process)
 
 
-def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(remote_host, key_dir):
+def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(
+    remote_host, key_dir, caplog
+):
     """The same key, a new process, registering while the trainer is busy (chaos audit).
 
     Its old worker was still live as far as the pool knew (nobody is judged
@@ -385,12 +392,15 @@ def test_a_host_restarted_while_the_trainer_is_away_takes_its_slot_back(remote_h
         pool.reset()
         step(pool, [0])
         kill_host(first)
-        replacement = start_remote_worker(remote_host, port, key_dir, key=0, extra=FAST_BEATS)
-        deadline = time.monotonic() + 60  # the trainer is busy until its env process is up
-        while not ns_children(replacement):
-            assert time.monotonic() < deadline, "the replacement's env process never started"
-            time.sleep(0.05)
-        time.sleep(2.0)  # and a while longer: the new worker registers meanwhile
+        # The trainer is busy until the new worker's connection is in: the pool's ZAP
+        # thread admits it (and its REGISTER follows) while the trainer does not listen.
+        with caplog.at_level(logging.DEBUG, logger="zmq.auth"):
+            admitted = len(curve_admissions(caplog))
+            replacement = start_remote_worker(remote_host, port, key_dir, key=0, extra=FAST_BEATS)
+            deadline = time.monotonic() + 60
+            while len(curve_admissions(caplog)) == admitted:
+                assert time.monotonic() < deadline, "the new worker never connected"
+                time.sleep(0.05)
         out = pool.async_step_recv(min_get=1, timeout=90)
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
         step(pool, [0])

@@ -144,8 +144,15 @@ def test_env_that_exits_mid_step_is_answered_with_a_truncation():
         pool.close()
 
 
-def test_hung_env_is_killed_after_step_timeout_and_restarted():
-    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, step_timeout_s=1.0)
+def test_hung_env_is_killed_after_step_timeout_and_restarted(caplog):
+    """Killed no sooner than ``step_timeout_s`` and not much later either.
+
+    The upper bound is when the kill is logged (not when the truncation comes
+    back, which waits for the restart too): ``step_timeout_s`` plus 1.5 s of
+    slack for a loaded machine, less than twice the timeout, so a deadline
+    check that let a hang run twice as long would fail here.
+    """
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, step_timeout_s=2.0)
     pool = ZMQAsyncEnvPool(
         FaultyEnv,
         create_env_kwargs=[{"fault": "hang", "fault_at": 2, "every_episode": False}],
@@ -154,11 +161,42 @@ def test_hung_env_is_killed_after_step_timeout_and_restarted():
     try:
         pool.reset()
         step_one(pool)
-        start = time.monotonic()
-        out = step_one(pool)
+        start, wall = time.monotonic(), time.time()
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            out = step_one(pool)
         assert time.monotonic() - start >= config.step_timeout_s
+        [killed] = [r for r in caplog.records if "restarting the worker" in r.getMessage()]
+        assert "hung" in killed.getMessage()
+        assert killed.created - wall < config.step_timeout_s + 1.5, "the hang was seen late"
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
         assert pool.env_stats()[0]["last_restart_cause"].startswith("hung")
+    finally:
+        pool.close()
+
+
+def test_queued_steps_each_within_step_timeout_are_not_a_hang():
+    """A step's clock starts when the worker begins it, not when it was queued.
+
+    Five 0.25 s steps queued at once on one env take 1.25 s together, twice
+    ``step_timeout_s``; each one alone is well within it, so none is a hang.
+    """
+    config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, step_timeout_s=0.6)
+    pool = ZMQAsyncEnvPool(
+        CountingEnv,
+        create_env_kwargs=[{"env_id": 0, "step_sleep_s": (0.25, 0.25)}],
+        config=config,
+    )
+    try:
+        pool.reset()
+        for _ in range(5):
+            pool.async_step_send(TensorDict({"action": torch.full((1,), 0.1)}, []), 0)
+        counts = []
+        for _ in range(5):
+            out = pool.async_step_recv(env_index=0, timeout=30)
+            assert not out["next", "truncated"].item(), pool.env_stats()[0]["last_restart_cause"]
+            counts.append(int(out["next", "observation"][1]))
+        assert counts == [1, 2, 3, 4, 5]
+        assert pool.env_stats()[0]["restarts"] == 0
     finally:
         pool.close()
 
@@ -320,7 +358,9 @@ def test_a_restart_that_never_registers_ends_in_a_crash_loop_not_a_hang(tmp_path
     pool, _ = hanging_restart_pool(tmp_path, max_restarts=1)
     try:
         pool.async_step_send(actions([0.1, 0.2]), env_index=[0, 1])
-        assert ids(pool.async_step_recv(min_get=1)) == [1]  # the other env carries on
+        # max_get: with a timeout, a recv would go on batching until env 0's answer too
+        out = pool.async_step_recv(min_get=1, max_get=1, timeout=60)
+        assert ids(out) == [1]  # the other env carries on
         start = time.monotonic()
         with pytest.raises(CrashLoopError) as info:
             pool.async_step_recv(min_get=1, timeout=20)
@@ -361,7 +401,7 @@ def test_close_during_a_restart_kills_the_unregistered_worker_at_once(tmp_path, 
         while pool.runtime.roster.local[0].process in (old, None):  # until its restart is forked
             assert time.monotonic() < deadline, "env 0's worker was never restarted"
             pool.async_step_send(actions([0.1]), env_index=[1])
-            assert ids(pool.async_step_recv(min_get=1)) == [1]
+            assert ids(pool.async_step_recv(min_get=1, timeout=60)) == [1]
         new = pool.runtime.roster.local[0]
         assert new.phase is WorkerPhase.STARTING and new.process is not None
         pid = new.process.pid

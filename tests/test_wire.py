@@ -99,9 +99,16 @@ def test_non_tensor_plain_data_round_trips_and_objects_are_refused():
 
 def test_numpy_scalars_cross_as_the_python_numbers_they_hold():
     td = TensorDict({"x": torch.zeros(1)}, [])
-    info = {"n": np.int32(3), "ok": np.bool_(False), "xs": (np.float16(0.5), np.uint8(7))}
+    info = {
+        "n": np.int32(3),
+        "ok": np.bool_(False),
+        "xs": (np.float16(0.5), np.uint8(7)),
+        "by_id": {np.int64(2): "a"},  # a key too
+    }
     td.set_non_tensor("info", info)
-    assert round_trip(td).get_non_tensor("info") == {"n": 3, "ok": False, "xs": [0.5, 7]}
+    back = round_trip(td).get_non_tensor("info")
+    assert back == {"n": 3, "ok": False, "xs": [0.5, 7], "by_id": {2: "a"}}
+    assert [type(k) for k in back["by_id"]] == [int]
     td.set_non_tensor("info", {"when": np.datetime64("2026-12-06")})  # a datetime: not plain
     with pytest.raises(ProtocolError, match="not plain data"):
         Encoder().encode(td)

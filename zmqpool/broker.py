@@ -157,11 +157,7 @@ class Broker:
         results port (from the layouts the remote slots' reference specs imply).
         """
         if keys is not None:
-            self.auth = start_authenticator(self.context, keys)
-            if keys.authorized_dir is not None:
-                self.auth.configure_curve(domain=_ZAP_DOMAIN.decode(), location=keys.authorized_dir)
-            else:  # keys are authorized one by one (launched workers), in memory
-                self.auth.certs[_ZAP_DOMAIN.decode()] = {}
+            self.auth = start_authenticator(self.context, keys, _ZAP_DOMAIN.decode())
         self.remote = self._side(tcp, keys, results_cap)
         self.beacon = Beacon(self.context, tcp.beats, keys, self.epoch, self.config)
         self.tcp = Endpoints(self.remote.router_ep, self.remote.results_ep, self.beacon.endpoint)

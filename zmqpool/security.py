@@ -128,12 +128,20 @@ def make_client(sock: zmq.Socket, keys: ClientKeys) -> None:
     sock.curve_serverkey = keys.server_public
 
 
-def start_authenticator(context: zmq.Context, keys: ServerKeys) -> ThreadAuthenticator:
-    """ZAP handler: a CURVE client connects only if its public key is in ``authorized/``."""
+def start_authenticator(context: zmq.Context, keys: ServerKeys, domain: str) -> ThreadAuthenticator:
+    """ZAP handler: a CURVE client connects only if its public key is in ``authorized/``.
+
+    Only for ``domain``, the ZAP domain every CURVE server socket of the pool
+    enforces: pyzmq looks a key up under the request's domain (``"*"`` only for
+    a request without one, which none of ours makes). Without ``authorized/``,
+    keys are authorized one by one (launched workers), in memory.
+    """
     auth = ThreadAuthenticator(context, log=None)
     auth.start()
     if keys.authorized_dir is not None:
-        auth.configure_curve(domain="*", location=keys.authorized_dir)
+        auth.configure_curve(domain=domain, location=keys.authorized_dir)
+    else:
+        auth.certs[domain] = {}
     return auth
 
 
