@@ -97,6 +97,23 @@ def test_close_is_bounded_with_hung_workers_and_leaves_nothing():
     assert pool.worker_processes() == {} and pool.worker_pid(0) is None  # not the dead pid
 
 
+def test_a_pool_a_collector_closed_says_so_when_used_after():
+    """torchrl's Collector closes its env at total_frames; SerialEnv would start again,
+    this pool (as torchrl's) stays closed, and its error says what closed it."""
+    from torchrl.collectors import Collector
+
+    pool = ZMQAsyncEnvPool([CountingEnv] * 2)
+    try:
+        collector = Collector(pool, policy=None, frames_per_batch=4, total_frames=8)
+        frames = sum(batch.numel() for batch in collector)
+        collector.shutdown(close_env=False)
+        assert frames == 8
+        with pytest.raises(PoolClosedError, match="a torchrl Collector also calls it"):
+            pool.reset()
+    finally:
+        pool.close(raise_if_closed=False)
+
+
 DROPPED = textwrap.dedent(
     """
     import gc, os, sys

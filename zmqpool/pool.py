@@ -796,7 +796,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 "the pool belongs to the process this one was forked from: a forked "
                 "child cannot use it (make a pool in the child)"
             )
-        return "the pool is closed"
+        # SerialEnv and ParallelEnv start again when used after close(); this pool, as
+        # torchrl's, stays closed, and a Collector's close() surprises: say so.
+        return (
+            "the pool is closed (by close(): a torchrl Collector also calls it once it has "
+            "collected total_frames); build a new pool to go on"
+        )
 
     def shutdown(self) -> None:
         """Stop every worker (bounded by ``config.close_timeout_s``) and remove the sockets."""
