@@ -174,6 +174,33 @@ def test_a_child_that_was_up_a_while_is_restarted_without_its_old_backoff(tmp_pa
     assert starts[7] - end < 1.5, f"restarted {starts[7] - end:.2f} s after a long life"
 
 
+QUICK_CLEAN_EXITS = """
+import sys, time
+from pathlib import Path
+from workers.supervise import REFUSED, Supervisor
+
+runs = Path(sys.argv[1])
+
+def child(k, identity):
+    with runs.open("a") as out:
+        out.write(f"{time.monotonic()}\\n")
+    # exits 0 at once six times (an env maker calling sys.exit(0)), then is refused
+    return 0 if len(runs.read_text().split()) <= 6 else REFUSED
+
+print(Supervisor(1, child).run())
+"""
+
+
+def test_a_child_that_exits_0_at_once_is_backed_off_not_taken_for_a_closed_pool(tmp_path):
+    """Exit code 0 is a pool's CLOSE only after the child was up a while: at once, it is a
+    death, restarted after 0.05, 0.1, ... 1.6 s (3.15 s in all), not 20 times a second."""
+    runs = tmp_path / "runs"
+    assert run_supervisor_script(QUICK_CLEAN_EXITS, runs).strip() == "2"
+    starts = [float(t) for t in runs.read_text().split()]
+    assert len(starts) == 7
+    assert starts[-1] - starts[0] >= 2.5, f"restarted within {starts[-1] - starts[0]:.2f} s"
+
+
 MAKER_FAILURES = """
 import sys
 from pathlib import Path

@@ -17,9 +17,9 @@ restarted; nor is one whose env maker failed ``MAX_MAKER_FAILURES`` times in a
 row before that child ever registered (a maker that cannot work). Once no child
 is left, the supervisor exits non-zero (2 if a child was refused, else 1), with
 a one-line error saying why each gave up. A child whose pool closed it (the
-trainer's ``pool.close()``: exit code 0) is no failure: it is started again,
-without backoff, to wait for the next pool, and said at INFO level, not as a
-warning. SIGTERM or SIGINT (how Kubernetes,
+trainer's ``pool.close()``: exit code 0, after :data:`CLOSED_AFTER_S` up) is no
+failure: it is started again, without backoff, to wait for the next pool, and
+said at INFO level, not as a warning. SIGTERM or SIGINT (how Kubernetes,
 SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
 SIGKILLs those still alive after a grace period, and exits 0.
 """
@@ -61,6 +61,10 @@ _BACKOFF_S = (0.05, 5.0)
 #: A child that lived this long died of something else than its start: the backoff
 #: of its restart starts over (deaths are counted while they come quickly).
 STABLE_S = 10.0
+#: A child that exits 0 after being up this long was closed by its pool (it had to
+#: register first); one that exits 0 sooner (an env maker calling ``sys.exit(0)``)
+#: is a death like any other, so that it is not started again 20 times a second.
+CLOSED_AFTER_S = 1.0
 #: How often the supervisor looks for dead children and for a stop request.
 _POLL_S = 0.1
 #: How long children get to end after SIGTERM, when the supervisor stops, before SIGKILL.
@@ -243,11 +247,12 @@ class Supervisor:
                 return
         else:
             self.maker_failures.pop(k, None)
-        if code == 0:  # its pool closed it (CLOSE): no failure, and no death to back off from
+        up_s = time.monotonic() - self.started.get(k, 0.0)
+        if code == 0 and up_s >= CLOSED_AFTER_S:  # its pool closed it (CLOSE): no failure
             log.info("env process %d: its pool closed; starting it again for the next pool", k)
             self.restarts[k] = time.monotonic() + _BACKOFF_S[0]
             return
-        if time.monotonic() - self.started.get(k, 0.0) >= self.stable_s:
+        if up_s >= self.stable_s:
             self.deaths.pop(k, None)  # it had been up a while: not one of a run of quick deaths
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
