@@ -33,6 +33,7 @@ from workers.supervise import (
     REFUSED,
     Supervisor,
     die_with_parent,
+    note_closed,
     note_failure,
     note_registered,
 )
@@ -321,6 +322,7 @@ def serve(
         worker.register()
         note_registered()
         worker.serve()
+        note_closed()  # serve() returns on the pool's CLOSE: no failure for the supervisor
     except RegistrationError as err:
         note_failure(str(err))
         log.error("%s", err)

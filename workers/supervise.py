@@ -17,8 +17,9 @@ restarted; nor is one whose env maker failed ``MAX_MAKER_FAILURES`` times in a
 row before that child ever registered (a maker that cannot work). Once no child
 is left, the supervisor exits non-zero (2 if a child was refused, else 1), with
 a one-line error saying why each gave up. A child whose pool closed it (the
-trainer's ``pool.close()``: exit code 0, after :data:`CLOSED_AFTER_S` up) is no
-failure: it is started again, without backoff, to wait for the next pool, and
+trainer's ``pool.close()``: exit code 0, and it noted the CLOSE) is no
+failure (one that exits 0 otherwise, an env maker calling ``sys.exit(0)``, is a
+death, backed off): it is started again, without backoff, to wait for the next pool, and
 said at INFO level, not as a warning. SIGTERM or SIGINT (how Kubernetes,
 SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
 SIGKILLs those still alive after a grace period, and exits 0.
@@ -61,10 +62,6 @@ _BACKOFF_S = (0.05, 5.0)
 #: A child that lived this long died of something else than its start: the backoff
 #: of its restart starts over (deaths are counted while they come quickly).
 STABLE_S = 10.0
-#: A child that exits 0 after being up this long was closed by its pool (it had to
-#: register first); one that exits 0 sooner (an env maker calling ``sys.exit(0)``)
-#: is a death like any other, so that it is not started again 20 times a second.
-CLOSED_AFTER_S = 1.0
 #: How often the supervisor looks for dead children and for a stop request.
 _POLL_S = 0.1
 #: How long children get to end after SIGTERM, when the supervisor stops, before SIGKILL.
@@ -74,9 +71,9 @@ _STOP_GRACE_S = 3.0
 class _ChildNotes:
     """What each child tells its supervisor besides its exit code, in memory shared at fork.
 
-    Per child: whether it ever registered with the pool, and the one-line reason
-    of its last failure (an env maker's error, a refusal), for the supervisor's
-    final error.
+    Per child: whether it ever registered with the pool, whether its last run
+    ended on its pool's CLOSE, and the one-line reason of its last failure (an
+    env maker's error, a refusal), for the supervisor's final error.
     """
 
     SIZE = 512
@@ -89,27 +86,40 @@ class _ChildNotes:
 
     def reason(self, k: int) -> str:
         """The last failure child ``k`` noted, one line, or "" if none."""
-        raw = self.memory[k * self.SIZE + 2 : (k + 1) * self.SIZE]
+        raw = self.memory[k * self.SIZE + 3 : (k + 1) * self.SIZE]
         return raw.split(b"\0", 1)[0].decode(errors="replace")
 
     def maker_failed(self, k: int) -> bool:
         return self.memory[k * self.SIZE + 1] == 1
 
+    def closed(self, k: int) -> bool:
+        """Whether child ``k``'s last run ended on its pool's CLOSE (cleared at each start)."""
+        return self.memory[k * self.SIZE + 2] == 1
+
     def clear_failure(self, k: int) -> None:
         self.memory[k * self.SIZE + 1 : (k + 1) * self.SIZE] = bytes(self.SIZE - 1)
 
     def note(
-        self, k: int, *, registered: bool = False, failure: str = "", maker: bool = False
+        self,
+        k: int,
+        *,
+        registered: bool = False,
+        failure: str = "",
+        maker: bool = False,
+        closed: bool = False,
     ) -> None:
-        """In child ``k``: it registered, or it ends for ``failure`` (the maker's: ``maker``)."""
+        """In child ``k``: it registered, its pool closed it, or it ends for ``failure``
+        (the maker's: ``maker``)."""
         base = k * self.SIZE
         if registered:
             self.memory[base] = 1
+        if closed:
+            self.memory[base + 2] = 1
         if failure:
-            text = " ".join(failure.split()).encode()[: self.SIZE - 3]
+            text = " ".join(failure.split()).encode()[: self.SIZE - 4]
             self.clear_failure(k)
             self.memory[base + 1] = int(maker)
-            self.memory[base + 2 : base + 2 + len(text)] = text
+            self.memory[base + 3 : base + 3 + len(text)] = text
 
 
 #: In a supervised child: its notes and its number (None elsewhere).
@@ -120,6 +130,12 @@ def note_registered() -> None:
     """Tell the supervisor (if any) that this env process registered with the pool."""
     if _mine is not None:
         _mine[0].note(_mine[1], registered=True)
+
+
+def note_closed() -> None:
+    """Tell the supervisor (if any) that this env process ends because its pool closed."""
+    if _mine is not None:
+        _mine[0].note(_mine[1], closed=True)
 
 
 def note_failure(reason: str, *, maker: bool = False) -> None:
@@ -247,12 +263,11 @@ class Supervisor:
                 return
         else:
             self.maker_failures.pop(k, None)
-        up_s = time.monotonic() - self.started.get(k, 0.0)
-        if code == 0 and up_s >= CLOSED_AFTER_S:  # its pool closed it (CLOSE): no failure
+        if code == 0 and self.notes.closed(k):  # its pool closed it (CLOSE): no failure
             log.info("env process %d: its pool closed; starting it again for the next pool", k)
             self.restarts[k] = time.monotonic() + _BACKOFF_S[0]
             return
-        if up_s >= self.stable_s:
+        if time.monotonic() - self.started.get(k, 0.0) >= self.stable_s:
             self.deaths.pop(k, None)  # it had been up a while: not one of a run of quick deaths
         delay = min(_BACKOFF_S[0] * 2 ** self.deaths.get(k, 0), _BACKOFF_S[1])
         self.deaths[k] = self.deaths.get(k, 0) + 1
