@@ -208,7 +208,7 @@ class EnvBusyError(ZMQPoolError, RuntimeError):
     """A send, a sync call or a seed addressed envs still processing a command.
 
     torchrl's pool raises ``RuntimeError("Some envs are still processing a
-    step.")``; this is one, and names the busy envs.
+    step.")``; this is one, with that text (and, for an async send, the busy envs).
     """
 
 
