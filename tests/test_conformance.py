@@ -340,7 +340,8 @@ class TestCountingPool:
         finally:
             serial.close(raise_if_closed=False)
         assert isinstance(expected, RuntimeError), expected
-        with pytest.raises(RuntimeError, match=r"shape==env\.batch_size"):
+        # A BatchSizeMismatchError, as an async send's: the RuntimeError SerialEnv raises.
+        with pytest.raises(BatchSizeMismatchError, match=r"shape==env\.batch_size"):
             getattr(pair.zmq, call)(td.clone())
         assert pair.zmq.step(with_ones(pair.zmq, pair.zmq.reset())).shape == (N,)  # not busy
 

@@ -35,6 +35,7 @@ from zmqpool.arguments import (
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
 from zmqpool.errors import (
+    BatchSizeMismatchError,
     EnvBusyError,
     EnvError,
     EnvLostError,
@@ -299,6 +300,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     def _awaiting(self, kind: Kind) -> int:
         return self._runtime.awaiting((kind, None))
+
+    def _assert_tensordict_shape(self, tensordict: TensorDictBase) -> None:
+        """EnvBase's check of a sync call's batch size; its ``RuntimeError`` (``SerialEnv``'s)
+        is a :class:`BatchSizeMismatchError`, as an async send's mismatch is."""
+        try:
+            super()._assert_tensordict_shape(tensordict)
+        except RuntimeError as err:
+            raise BatchSizeMismatchError(str(err)) from None
 
     # ------------------------------------------------------------ sync API
 
