@@ -234,13 +234,19 @@ class Broker:
                 sink.on_fd(fd)
         return drained
 
-    def close(self) -> None:
-        """Close every socket, then stop the ZAP handler (never the other way round)."""
+    def close(self, remote_linger_s: float = 0.0) -> None:
+        """Close every socket, then stop the ZAP handler (never the other way round).
+
+        ``remote_linger_s``: how long what is queued on the remote ROUTER (the
+        pool's CLOSE to remote workers) may take to leave; the context's end
+        waits for it that long at most. Every other socket drops what it holds.
+        """
         if self.beacon is not None:
             self.beacon.stop()
         for side in (self.local, self.remote):
             if side is not None:
-                side.router.close(linger=0)
+                linger_ms = int(remote_linger_s * 1000) if side is self.remote else 0
+                side.router.close(linger=linger_ms)
                 side.pull.close(linger=0)
         if self.auth is not None:  # its own sockets live in this context: before destroy()
             self.auth.stop()

@@ -125,25 +125,36 @@ class Resources:
         _OPEN.discard(self)
         try:
             processes = self.roster.processes() if self.roster is not None else []
+            told_remote = False
             if self.broker is not None and self.roster is not None:
                 close = Header(Command.CLOSE).encode()
                 for link in self.roster.linked():
                     self.broker.route(link.identity, [close], link.remote)
+                    told_remote |= link.remote
                 for record in self.roster.local:  # a restart not registered yet: it never
                     if record.process is not None and record.link is None:  # hears CLOSE
                         record.process.kill()
             grace_s = self.config.close_timeout_s if grace_s is None else grace_s
+            deadline = time.monotonic() + grace_s
             stop_all(processes, grace_s)
             for launcher in self.launchers:
                 launcher.stop()
             if self.launcher is not None:
                 self.launcher.close()
             if self.broker is not None:
-                self.broker.close()
+                # A remote worker's CLOSE goes over TCP, and closing its socket at once
+                # (linger 0) could drop it: the worker would wait on for a pool that is gone.
+                # It gets what is left of the grace, REMOTE_CLOSE_LINGER_S at most, to leave.
+                left = min(REMOTE_CLOSE_LINGER_S, deadline - time.monotonic())
+                self.broker.close(remote_linger_s=max(0.0, left) if told_remote else 0.0)
             remove_private_dir(self.directory)
         finally:
             interrupts.detach()
 
+
+#: The longest a pool's close waits for its CLOSE to leave for remote workers (it
+#: takes microseconds over a live connection; a worker that is gone is waited for).
+REMOTE_CLOSE_LINGER_S = 0.5
 
 #: Every pool's resources not yet released, for the fork hook below.
 _OPEN: weakref.WeakSet[Resources] = weakref.WeakSet()
