@@ -139,6 +139,14 @@ def serve(oracle: Any, make_zmq: Callable[[], ZMQAsyncEnvPool]):
         oracle.close(raise_if_closed=False)
 
 
+def serve_threading_pair(makers: Callable[[], list[Callable]]):
+    """:func:`serve` of torchrl's threading pool and zmqpool (``FAST``), each of ``makers()``."""
+    yield from serve(
+        AsyncEnvPool(makers(), backend="threading"),
+        lambda: ZMQAsyncEnvPool(makers(), config=FAST),
+    )
+
+
 def _raises(error: type[Exception], call: Callable, *args, **kwargs) -> None:
     """``call(*args, **kwargs)`` must raise ``error``."""
     with pytest.raises(error):
@@ -197,10 +205,7 @@ def assert_same_batches(expected: list[Any], actual: list[Any], what: str) -> No
 @pytest.fixture(scope="class")
 def counting():
     """3 torchrl CountingEnvs (int8 Binary action; env i starts at i, done past 4)."""
-    yield from serve(
-        AsyncEnvPool(counting_makers(N), backend="threading"),
-        lambda: ZMQAsyncEnvPool(counting_makers(N), config=FAST),
-    )
+    yield from serve_threading_pair(lambda: counting_makers(N))
 
 
 @pytest.fixture
@@ -900,10 +905,7 @@ def plain_makers() -> list[Callable]:
 
 @pytest.fixture(scope="class")
 def plain():
-    yield from serve(
-        AsyncEnvPool(plain_makers(), backend="threading"),
-        lambda: ZMQAsyncEnvPool(plain_makers(), config=FAST),
-    )
+    yield from serve_threading_pair(plain_makers)
 
 
 class TestMissingAction:
@@ -968,10 +970,7 @@ def delayed_makers() -> list[Callable]:
 
 @pytest.fixture(scope="class")
 def delayed():
-    yield from serve(
-        AsyncEnvPool(delayed_makers(), backend="threading"),
-        lambda: ZMQAsyncEnvPool(delayed_makers(), config=FAST),
-    )
+    yield from serve_threading_pair(delayed_makers)
 
 
 class TestDeadlines:
