@@ -6,20 +6,22 @@ import functools
 import glob
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict
+from tensordict import LazyStackedTensorDict, TensorDictBase
 
 import zmqpool.runtime
-from tests.conformance import GlobalRandomEnv
+from tests.conformance import GlobalRandomEnv, assert_same_td, counting_makers
 from tests.conftest import FAST, pids_alive
 from zmqpool import EnvMakerError, PoolClosedError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.endpoints import make_private_dir, remove_private_dir, sweep_stale_dirs
@@ -93,25 +95,104 @@ def test_close_is_bounded_with_hung_workers_and_leaves_nothing():
     assert pids_alive(pids) == []
     assert not glob.glob(f"{directory}*")
     with pytest.raises(PoolClosedError):
-        pool.reset()
+        pool.async_step_recv(min_get=1, timeout=1.0)
     assert pool.worker_processes() == {} and pool.worker_pid(0) is None  # not the dead pid
 
 
-def test_a_pool_a_collector_closed_says_so_when_used_after():
-    """torchrl's Collector closes its env at total_frames; SerialEnv would start again,
-    this pool (as torchrl's) stays closed, and its error says what closed it."""
+def test_a_pool_a_collector_closed_starts_again_when_used_after_as_serial_env():
+    """torchrl's Collector closes its env at total_frames. SerialEnv starts again on the
+    next call, and so does the pool (torchrl's stays closed): the same rollout after."""
     from torchrl.collectors import Collector
+    from torchrl.envs import SerialEnv
 
-    pool = ZMQAsyncEnvPool([CountingEnv] * 2)
+    makers = counting_makers(2, max_steps=3)
+    serial, pool = SerialEnv(2, makers), ZMQAsyncEnvPool(makers)
     try:
-        collector = Collector(pool, policy=None, frames_per_batch=4, total_frames=8)
-        frames = sum(batch.numel() for batch in collector)
-        collector.shutdown(close_env=False)
-        assert frames == 8
-        with pytest.raises(PoolClosedError, match="a torchrl Collector also calls it"):
-            pool.reset()
+        for env in (serial, pool):
+            collector = Collector(env, policy=None, frames_per_batch=4, total_frames=8)
+            assert sum(batch.numel() for batch in collector) == 8
+            collector.shutdown(close_env=False)
+            assert env.is_closed
+        with pytest.raises(PoolClosedError, match="a step, reset or send starts"):
+            pool.async_step_recv(min_get=1, timeout=1.0)  # nothing can be in flight
+        old_pids = worker_pids(pool)
+        rollouts = [
+            env.rollout(5, policy=ones_of(env), break_when_any_done=False) for env in (serial, pool)
+        ]
+        assert_same_td(
+            *rollouts, what="rollout after the Collector closed the env", exclude={"env_index"}
+        )
+        assert not pool.is_closed and len(worker_pids(pool)) == 2
+        assert not set(worker_pids(pool)) & set(old_pids)
+    finally:
+        serial.close(raise_if_closed=False)
+        pool.close(raise_if_closed=False)
+
+
+def ones_of(env):
+    return lambda td: td.update(env.full_action_spec.one())
+
+
+def test_two_threads_using_a_closed_pool_start_it_once():
+    """The first call starts the pool again under its gate; one waiting meanwhile uses the
+    new pool, rather than starting another."""
+    kwargs = [{"env_id": 0}, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=kwargs, config=FAST)
+    try:
+        pool.reset()
+        pool.close()
+        barrier = threading.Barrier(2, timeout=30.0)
+        results: queue.Queue[object] = queue.Queue()
+
+        def reset_env(index: int) -> None:
+            try:
+                barrier.wait()
+                pool.async_reset_send(env_index=index)
+                results.put(pool.async_reset_recv(env_index=index, timeout=30.0))
+            except BaseException as err:
+                results.put(err)
+
+        threads = [threading.Thread(target=reset_env, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        got = [results.get(timeout=120.0) for _ in threads]
+        assert all(isinstance(td, TensorDictBase) for td in got), got
+        assert sorted(td["observation"][0].item() for td in got) == [0.0, 1.0]
+        assert len(worker_pids(pool)) == 2  # one start: a second would have closed the first
+        assert_workers_answer(pool)
     finally:
         pool.close(raise_if_closed=False)
+
+
+def test_a_failed_start_again_leaves_the_pool_closed_and_the_next_call_tries_again(tmp_path):
+    down = tmp_path / "down"
+
+    def make_env():
+        if down.exists():
+            raise RuntimeError("the simulator's licence server is down")
+        return CountingEnv()
+
+    pool = ZMQAsyncEnvPool([make_env], config=FAST)
+    try:
+        pool.close()
+        down.touch()
+        with pytest.raises(EnvMakerError, match="licence server is down"):
+            pool.reset()
+        assert pool.is_closed and pool.worker_processes() == {}
+        with pytest.raises(PoolClosedError):
+            pool.async_step_recv(min_get=1, timeout=1.0)
+        down.unlink()
+        assert pool.reset()["observation"].shape == (1, 4)
+        assert not pool.is_closed
+    finally:
+        pool.close(raise_if_closed=False)
+
+
+def assert_workers_answer(pool) -> None:
+    td = pool.reset()
+    td["action"] = torch.zeros(2, 1)
+    pool.async_step_send(td, env_index=[0, 1])
+    assert sorted(pool.async_step_recv(min_get=2, timeout=30.0)["env_index"]) == [0, 1]
 
 
 DROPPED = textwrap.dedent(

@@ -219,7 +219,8 @@ def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_i
 ):
     """At the default log level (WARNING) the supervisor says nothing when the pool closes
     (its env process, told to exit, is started again for the next pool: an INFO line);
-    an env process killed is a warning, as before."""
+    an env process killed is a warning, as before. The closed pool's next call starts it
+    again (as SerialEnv does), and the worker's new env process joins it."""
     port = free_port_base(remote_host.pool_ip)
     worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
     pool = None
@@ -229,6 +230,9 @@ def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_i
         pool.reset()
         pool.close()
         second = new_env_processes(worker, first)  # the pool's CLOSE ended the first
+        assert pool.reset()["observation"].shape == (1, 4)  # bound again; the worker is back
+        pool.close()
+        second = new_env_processes(worker, second)
         for pid in second:
             os.kill(pid, signal.SIGKILL)
         new_env_processes(worker, second)

@@ -23,7 +23,7 @@ argument::
     │   └── EnvMakerError                the env maker itself raised
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
     │   └── CrashLoopError               restarts exceeded the configured limit
-    ├── PoolClosedError (RuntimeError)   the pool was used after ``close()``
+    ├── PoolClosedError (RuntimeError)   a recv on a closed pool, or one forked from
     ├── RecvTimeoutError (TimeoutError)  a recv's ``timeout`` passed before ``min_get`` results
     ├── EnvBusyError (RuntimeError)      a send (or a seed) to envs still processing a command
     ├── TooFewInFlightError (RuntimeError)
@@ -194,7 +194,11 @@ class CrashLoopError(EnvLostError):
 
 
 class PoolClosedError(ZMQPoolError, RuntimeError):
-    """The pool was used after ``close()``."""
+    """A recv after ``close()`` (nothing is in flight), a call cut short by ``close()``
+    in another thread, or any call in a process forked from the pool's.
+
+    A step, reset or send after ``close()`` starts the pool again, as ``SerialEnv``'s.
+    """
 
 
 class RecvTimeoutError(ZMQPoolError, TimeoutError):

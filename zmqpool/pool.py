@@ -43,6 +43,7 @@ from zmqpool.errors import (
     PoolClosedError,
     TooFewInFlightError,
 )
+from zmqpool.gate import Gate
 from zmqpool.indexing import ENV_INDEX, EnvIndexer
 from zmqpool.launcher import WorkerProcess
 from zmqpool.partial import (
@@ -66,10 +67,26 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 def _exclusive(method: _Method) -> _Method:
     """The call holds the pool's gate: one thread at a time on its sockets (:mod:`zmqpool.gate`)."""
+    return _holding_the_gate(method, starts=False)
 
+
+def _starting(method: _Method) -> _Method:
+    """As :func:`_exclusive`, and a pool closed by ``close()`` starts again first.
+
+    SerialEnv's and ParallelEnv's way (their ``_check_start``): torchrl's
+    Collector closes its env once it has collected ``total_frames``, and
+    evaluating on the env after is what their users do. torchrl's pool stays
+    closed (a ``RuntimeError``); recvs do here too, as nothing can be in flight.
+    """
+    return _holding_the_gate(method, starts=True)
+
+
+def _holding_the_gate(method: _Method, starts: bool) -> _Method:
     @functools.wraps(method)
     def holding_the_gate(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
-        with self._runtime.gate:
+        with self._gate:
+            if starts and self._resources.closed:
+                self._start_again()
             return method(self, *args, **kwargs)
 
     return holding_the_gate  # type: ignore[return-value]
@@ -197,6 +214,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self.last_restarted_envs: list[int] = []
         self._resources = Resources(self.config)
         self._finalizer = weakref.finalize(self, Resources.release, self._resources)
+        #: One thread at a time on the pool's sockets, the same across a start again.
+        self._gate = Gate()
         self._batch_stats = BatchStats()
         #: Requests a sync call left in flight when a Ctrl-C stopped its wait, by kind.
         self._interrupted_sync: dict[Kind, int] = {}
@@ -221,7 +240,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             raise
 
     def _start(self) -> tuple[Any, Any]:
-        self._runtime = Runtime(self._plan(), self._resources)
+        self._runtime = Runtime(self._plan(), self._resources, self._gate)
         self._child_specs = self._runtime.start()
         self._env_batch_sizes = [torch.Size(spec.shape) for spec in self._child_specs]
         self._assembler = Assembler(
@@ -311,7 +330,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ sync API
 
-    @_exclusive
+    @_starting
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
         self._check_idle(Kind.STEP)
@@ -353,7 +372,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         tensordict.set("next", stepped)
         return tensordict
 
-    @_exclusive
+    @_starting
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """torchrl's hook, which ``TransformedEnv`` and ``SerialEnv`` call: the envs' ``"next"``.
 
@@ -367,7 +386,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         result.pop(ENV_INDEX)
         return result
 
-    @_exclusive
+    @_starting
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
         self._settle_interrupted()
@@ -435,7 +454,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 log.warning(
                     "dropping the results of the %s call interrupted before them", kind.value
                 )
-                with self._runtime.gate:
+                with self._gate:
                     self._settle(kind)
 
     def _settle(self, kind: Kind) -> None:
@@ -460,7 +479,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if edited is not None:
             tensordict.update(edited.exclude(ENV_INDEX), inplace=True)
 
-    @_exclusive
+    @_starting
     def step_and_maybe_reset(
         self, tensordict: TensorDictBase
     ) -> tuple[TensorDictBase, TensorDictBase]:
@@ -484,7 +503,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._assembler.set_env_index(next_root, idx)
         return tensordict, next_root
 
-    @_exclusive
+    @_starting
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         """torchrl's ``reset``; a tensordict of another batch size than the pool's is refused.
 
@@ -512,7 +531,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ sending
 
-    @_exclusive
+    @_starting
     def _send(
         self,
         command: Command,
@@ -604,17 +623,17 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         taking = _Taking()
         try:
-            with self._runtime.gate:
-                return self._take_results(kind, min_get, env_index, max_get, timeout, taking)
+            return self._take_results(kind, min_get, env_index, max_get, timeout, taking)
         except BaseException as err:
             if taking.replies and (taking.built or not isinstance(err, Exception)):
-                with self._runtime.gate:  # an env's error or a bad stack: not given back
-                    self._give_back(taking.replies)
+                self._give_back(taking)  # an env's error or a bad stack: not given back
             raise
 
+    @_exclusive
     def _take_results(
         self, kind: Kind, min_get, env_index, max_get, timeout, taking: _Taking
     ) -> tuple[TensorDictBase, TensorDictBase | None]:
+        taking.runtime = self._runtime
         taking.replies = replies = self._recv(kind, min_get, env_index, max_get, timeout)
         per_env = env_index is not None
         if per_env:  # torchrl's per-env channel: the env's own tensordict
@@ -626,8 +645,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._batch_stats.record_batch(ready_at, 1 if per_env else max_get, kind != Kind.RESET)
         return results
 
-    def _give_back(self, replies: list[Reply]) -> None:
+    @_exclusive
+    def _give_back(self, taking: _Taking) -> None:
         """Undo a recv's take: its replies wait for the next recv, their envs awaited again."""
+        if taking.runtime is not self._runtime or self._resources.closed:
+            return  # closed by another thread since (and maybe started again): none waits
+        replies = taking.replies
         channel = replies[0].pending.channel
         self._runtime.give_back(channel, replies)
         if channel[1] is None:
@@ -705,7 +728,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """torchrl's hook: :meth:`set_seed`'s seeding."""
         self._seed_envs(seed, False)
 
-    @_exclusive
+    @_starting
     def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
         self._check_open()
         if self._busy:
@@ -805,12 +828,29 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 "the pool belongs to the process this one was forked from: a forked "
                 "child cannot use it (make a pool in the child)"
             )
-        # SerialEnv and ParallelEnv start again when used after close(); this pool, as
-        # torchrl's, stays closed, and a Collector's close() surprises: say so.
-        return (
+        return (  # a Collector's close() surprises: say so
             "the pool is closed (by close(): a torchrl Collector also calls it once it has "
-            "collected total_frames); build a new pool to go on"
+            "collected total_frames), so nothing is in flight; a step, reset or send starts "
+            "its envs again"
         )
+
+    def _start_again(self) -> None:
+        """Start the envs of a pool closed by ``close()`` again (see :func:`_starting`).
+
+        New workers, sockets and envs (made and seeded as at construction); the
+        pool's specs are kept. A start that fails leaves the pool closed.
+        """
+        if self._resources.inherited:
+            raise PoolClosedError(self._closed_because())
+        log.info("the pool was closed: starting its %d envs again", self.num_envs)
+        self._finalizer.detach()  # its resources are released
+        self._resources = Resources(self.config)
+        self._finalizer = weakref.finalize(self, Resources.release, self._resources)
+        self._busy.clear()
+        self._interrupted_sync.clear()
+        self.__dict__["last_restarted_envs"] = []
+        self._setup()
+        self.is_closed = False
 
     def shutdown(self) -> None:
         """Stop every worker (bounded by ``config.close_timeout_s``) and remove the sockets."""
@@ -818,7 +858,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if runtime is None or self._resources.inherited:  # a forked child's gate may be held
             self._resources.release()
         else:
-            with runtime.gate:  # not under another thread's feet: it sees the pool closed
+            with self._gate:  # not under another thread's feet: it sees the pool closed
                 self._resources.release()
         self.is_closed = True
 
@@ -862,3 +902,4 @@ class _Taking:
 
     replies: list[Reply] = dataclasses.field(default_factory=list)
     built: bool = False
+    runtime: Runtime | None = None  # the one taken from: a pool closed since gets none back

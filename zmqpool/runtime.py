@@ -205,7 +205,7 @@ class PoolPlan:
 class Runtime:
     """Sockets, processes, registration and the event loop of one pool; see the module docstring."""
 
-    def __init__(self, plan: PoolPlan, resources: Resources) -> None:
+    def __init__(self, plan: PoolPlan, resources: Resources, gate: Gate | None = None) -> None:
         self.plan = plan
         self.config = config = plan.config
         self.resources = resources
@@ -224,7 +224,8 @@ class Runtime:
         #: worker then ask it to keep their replies together (wire: rows joined, "h").
         self.hold_replies = False
         #: One thread at a time (the pool's public calls hold it): see :mod:`zmqpool.gate`.
-        self.gate = Gate()
+        #: The pool's own, kept when it starts again, so a thread waiting meanwhile waits on.
+        self.gate = Gate() if gate is None else gate
         self.intake = Intake(self.roster, self.ledger, self.liveness)
         #: Why remote workers could not start, for the errors of envs waiting for one.
         self.remote_failures = RemoteFailures()
