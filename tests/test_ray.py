@@ -95,6 +95,12 @@ def test_a_ray_actor_killed_mid_run_rejoins_and_every_request_is_answered_once(r
     finally:
         pool.close()
     assert workers.actors == []  # close() ended them (no restart)
+    try:  # the next call starts the pool again, as SerialEnv: new actors, on a new port
+        assert pool.reset()["observation"][:, 0].tolist() == [0.0, 1.0, 2.0]
+        assert len(workers.actors) == 2
+    finally:
+        pool.close()
+    assert workers.actors == []
 
 
 def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_cluster):
