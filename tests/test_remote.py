@@ -243,6 +243,7 @@ def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_i
     _, err = worker.communicate(timeout=10)
     lines = err.splitlines()
     assert len(lines) == 1 and "ended (-9); restarting in" in lines[0], err
+    assert " worker WARNING " in lines[0], err  # the level, as the trainer's log lines say it
 
 
 def new_env_processes(worker: subprocess.Popen, old: list[int], timeout: float = 60) -> list[int]:

@@ -191,7 +191,7 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None, prog: str = 
     """Run a worker; ``maker_payload`` replaces stdin for ``--maker-stdin`` (the fork server)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(message)s")
     die_with_parent(args.parent_pid)
     if args.maker_stdin:
         data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
