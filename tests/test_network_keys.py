@@ -203,6 +203,38 @@ def test_an_amplified_spec_costs_the_pool_nothing(tmp_path, key_dir, context, po
     assert growth < 100 * MB and peak_growth < 100 * MB, figures
 
 
+def test_registering_again_and_again_does_not_build_the_specs_again(tmp_path, key_dir, context):
+    """Session 53's audit: each REGISTER with a new incarnation is a rejoin, and the pool
+    built its specs (and their zero) again from ~1.2 kB: 479 of them, 18.8 s of CPU.
+
+    A lazy pool's remote slot (nothing to compare with) is taken with an observation
+    of 2**24 float32 (64 MiB zeroed per build); 150 REGISTERs with new incarnations
+    follow, read while the pool steps its local env 20 times: each is welcomed, and
+    the pool's CPU for all of it stays under 2 s.
+    """
+    port = free_port_base(HOST)
+    leaf = {"class": "UnboundedContinuous", "shape": [2**24], "device": "cpu", "dtype": "float32"}
+    with victim_on(tmp_path, key_dir, port, local=[{"env_id": 0}], stack="lazy") as victim:
+        hello = victim.hello
+        spec = with_leaf(hello.spec, "observation", leaf)
+        rejoiner = worker(context, victim, port, key_dir, 1, b"rejoiner")
+        assert rejoiner.register(hello.register_body([spec]), timeout_s=60) is not None
+        victim.wait("constructed", timeout_s=60)
+        cpu_before = hostile.cpu_seconds(victim.pid)
+        for _ in range(150):  # within the per-key REGISTER burst (200)
+            rejoiner.dealer.send(hello.header("REGISTER", hello.register_body([spec])))
+        victim.command('step-envs {"envs": [0], "timeout": 30, "rounds": 20}')
+        rounds = victim.wait("stepped_envs", timeout_s=120)["rounds"]
+        cpu = hostile.cpu_seconds(victim.pid) - cpu_before
+        replies = []
+        while len(replies) < 150 and (frame := rejoiner.dealer.reply(10.0)) is not None:
+            replies.append(hello.decode(frame)["command"])
+        rejoiner.close()
+    assert all("0" in r["results"] and not r["errors"] for r in rounds), rounds
+    assert replies == ["WELCOME"] * 150, f"{len(replies)} replies: {sorted(set(replies))}"
+    assert cpu < 2.0, f"150 REGISTERs of the same specs cost the pool {cpu:.1f} s of CPU"
+
+
 # ---------------------------------------------------------------- 6: large results frames
 
 

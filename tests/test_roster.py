@@ -35,7 +35,7 @@ def link_for(identity: bytes, envs: tuple[int, ...], incarnation: bytes = b"i0",
 
 def register(roster: Roster, record, incarnation: bytes = b"i0") -> bool:
     link = link_for(record.identity, record.envs, incarnation, record.key)
-    return roster.go_live(record, link, [(SPEC_DATA, SPEC)] * len(record.envs))
+    return roster.go_live(record, link, [(SPEC_DATA, SPEC, None)] * len(record.envs))
 
 
 def phases(roster: Roster) -> list[str]:

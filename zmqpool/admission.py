@@ -412,8 +412,14 @@ class Registrar:
         A remote worker's are decoded under the lower remote budget
         (``PoolConfig.max_remote_spec_bytes``), after the comparison: specs
         that differ from the reference are refused before anything is built.
+        The env's own specs again (a rejoin: the comparison was exact) are
+        not built again: a peer re-registering in a loop would otherwise cost
+        the trainer a build (and its zero) per message.
         """
         self._compare(env, data)
+        known = self.roster.envs[env]
+        if known.spec_data is not None and known.layout is not None:
+            return data, known.spec, known.layout
         remote = env in self._remote_set
         budget = self.config.max_remote_spec_bytes if remote else MAX_SPEC_BYTES
         try:
@@ -462,7 +468,7 @@ class Registrar:
             record.key,
             reg.batches,
         )
-        rejoin = self.roster.go_live(record, link, [(data, spec) for data, spec, _ in specs])
+        rejoin = self.roster.go_live(record, link, specs)
         self.liveness.heard(record.identity, time.monotonic())
         self._send_welcome(link)
         self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, rejoin))

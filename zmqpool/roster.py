@@ -109,6 +109,7 @@ class EnvRecord:
     link: Link | None = None  # where its requests go now (LIVE, FRESH)
     spec_data: Any = None  # its registered specs, as plain data
     spec: Any = None  # the same, decoded (once, at registration)
+    layout: Any = None  # the layout of its spec's zero (what bounds its worker's frames)
     check: Any = None  # its replies' layouts held to its spec (a conformity.ReplyCheck)
     restarts: int = 0
     last_restart_cause: str | None = None
@@ -267,8 +268,11 @@ class Roster:
 
     # ------------------------------------------------------------ registration
 
-    def go_live(self, record: WorkerRecord, link: Link, specs: Sequence[tuple[Any, Any]]) -> bool:
-        """``record`` registered with ``link`` for its envs, whose (data, decoded) specs are given.
+    def go_live(
+        self, record: WorkerRecord, link: Link, specs: Sequence[tuple[Any, Any, Any]]
+    ) -> bool:
+        """``record`` registered with ``link`` for its envs, whose (data, decoded, layout) specs
+        are given.
 
         Returns whether it is a rejoin: its envs were hosted before and are
         now rebuilt (their requests in flight are sent again, steps as resets).
@@ -276,7 +280,7 @@ class Roster:
         record.phase, record.link = WorkerPhase.LIVE, link
         self.batching |= link.batches
         rejoin = False
-        for index, (data, spec) in zip(record.envs, specs, strict=True):
+        for index, (data, spec, layout) in zip(record.envs, specs, strict=True):
             env = self.envs[index]
             rejoin |= env.phase is not EnvPhase.NEW
             env.phase = EnvPhase.FRESH if env.phase is not EnvPhase.NEW else EnvPhase.LIVE
@@ -284,7 +288,7 @@ class Roster:
             self.lost.discard(index)
             if env.spec_data != data or env.check is None:
                 env.check = ReplyCheck(spec)
-            env.spec_data, env.spec = data, spec
+            env.spec_data, env.spec, env.layout = data, spec, layout
         return rejoin
 
     def plan_remote(
