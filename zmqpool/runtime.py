@@ -223,6 +223,8 @@ class Runtime:
         #: Whether the last recv waited for several results: a call's commands joined to a
         #: worker then ask it to keep their replies together (wire: rows joined, "h").
         self.hold_replies = False
+        #: Since when pumps have not read the sockets to the end (None: the last one did).
+        self._unread_since: float | None = None
         #: One thread at a time (the pool's public calls hold it): see :mod:`zmqpool.gate`.
         #: The pool's own, kept when it starts again, so a thread waiting meanwhile waits on.
         self.gate = Gate() if gate is None else gate
@@ -725,9 +727,19 @@ class Runtime:
         drained = self.broker.poll(max(0.0, min(timeout_s, wake)), self)
         for event in self._take_events():
             self.supervisor.on_event(event)
-        # Judged every time, drained or not: the ROUTER queues fairly per peer, so a
-        # flood from one connection never keeps another's heartbeat unread for long.
-        self.supervisor.tick(time.monotonic())
+        now = time.monotonic()
+        # Silences are judged every time, drained or not: the ROUTER queues fairly per
+        # peer, so a flood from one connection never keeps another's heartbeat unread for
+        # long. Lateness waits until the sockets were read to the end: after a trainer
+        # away longer than step_timeout_s, replies it has not read yet are not late.
+        # Not for longer than a heartbeat interval, so a flood cannot switch it off.
+        if drained:
+            self._unread_since = None
+        elif self._unread_since is None:
+            self._unread_since = now
+        unread_for = 0.0 if self._unread_since is None else now - self._unread_since
+        judge = drained or unread_for > self.config.heartbeat_interval_s
+        self.supervisor.tick(now, judge_lateness=judge)
         return drained
 
     def set_seed(

@@ -88,6 +88,9 @@ class Supervisor:
             config.restart_backoff_max_s,
         )
         self._next_deadline_check = float("-inf")
+        #: When the oldest request in flight at the last deadline check turns late: a pump
+        #: waiting for replies wakes then, not a heartbeat interval later.
+        self._next_late_at = float("inf")
 
     # ------------------------------------------------------------ events
 
@@ -178,10 +181,15 @@ class Supervisor:
         return min(
             self.roster.next_respawn(),
             self.roster.next_register_deadline(self.config.register_timeout_s),
+            self._next_late_at,
         )
 
-    def tick(self, now: float) -> None:
-        """Respawn what is due; act on lateness, silence and expired vacancies."""
+    def tick(self, now: float, judge_lateness: bool = True) -> None:
+        """Respawn what is due; act on lateness, silence and expired vacancies.
+
+        ``judge_lateness=False``: replies may still wait unread in the sockets
+        (see :meth:`zmqpool.runtime.Runtime.pump`), so no request is judged late.
+        """
         for record in self.roster.due(now):
             try:
                 self.spawn(record)
@@ -190,7 +198,8 @@ class Supervisor:
             except OSError as err:  # out of file descriptors, processes, memory: try again
                 self._spawn_failed(record, now, err)
         self._check_registrations(now)
-        self._check_deadlines(now)
+        if judge_lateness:
+            self._check_deadlines(now)
         for identity in self.liveness.silent(now):
             assert isinstance(identity, bytes)
             quiet = self.roster.worker(identity)
@@ -246,13 +255,21 @@ class Supervisor:
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.step_timeout_s
-        if timeout is None or now < self._next_deadline_check:
+        if timeout is None:
+            return
+        if now < self._next_deadline_check:  # a request sent since the last look: look then
+            self._next_late_at = min(self._next_late_at, self._next_deadline_check)
             return
         # A look at every env, so not at every pump: at most every DEADLINE_CHECK_S (a
         # hang is then seen that much later at most: milliseconds, against a timeout).
         self._next_deadline_check = now + min(DEADLINE_CHECK_S, timeout / 10)
+        oldest = now
         for slot in self.ledger.slots:  # the cheap lateness test first
-            if not slot.in_flight or now - slot.in_flight[0].sent_at <= timeout:
+            if not slot.in_flight:
+                continue
+            sent_at = slot.in_flight[0].sent_at
+            if now - sent_at <= timeout:
+                oldest = min(oldest, sent_at)
                 continue
             env = self.roster.envs[slot.index]
             host = env.holder
@@ -263,6 +280,8 @@ class Supervisor:
                 self.vacate(host, now, cause)
             else:
                 self._kill(host, cause, "")
+        late_at = oldest + timeout if oldest < now else float("inf")
+        self._next_late_at = max(late_at, self._next_deadline_check)
 
     def _kill(self, record: WorkerRecord, cause: str, traceback: str) -> None:
         """SIGKILL a local worker; its pidfd then reports the death as usual."""
