@@ -204,6 +204,39 @@ def test_replies_not_read_yet_after_a_trainer_pause_are_not_a_hang(monkeypatch):
         pool.close()
 
 
+def test_envs_a_worker_steps_in_turn_each_within_step_timeout_are_not_a_hang(caplog):
+    """Without env threads a worker steps its envs one after another: two 0.4 s steps
+    take 0.8 s, more than ``step_timeout_s`` (0.6 s), and neither is a hang (each env's
+    clock used to count the other's step: every step truncated, then a crash loop).
+    A hang in such a worker is still seen, within a timeout per request in flight.
+    """
+    config = PoolConfig(
+        register_timeout_s=90.0, close_timeout_s=2.0, step_timeout_s=0.6, env_threads=False
+    )
+    slow = {"step_sleep_s": (0.4, 0.4)}
+    kwargs = [
+        {"env_id": 0, "fault": "hang", "fault_at": 4, "every_episode": False, **slow},
+        {"env_id": 1, "fault": "hang", "fault_at": 10**6, **slow},
+    ]
+    pool = ZMQAsyncEnvPool(FaultyEnv, create_env_kwargs=kwargs, envs_per_worker=2, config=config)
+    try:
+        pool.reset()
+        for _ in range(3):
+            out = pool.step(actions([0.5, 0.5]))
+            assert pool.last_restarted_envs == [] and not out["next", "truncated"].any()
+        start, wall = time.monotonic(), time.time()
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            out = pool.step(actions([0.5, 0.5]))  # env 0 hangs in its 4th step
+        assert pool.last_restarted_envs == [0, 1] and out["next", "truncated"].all()
+        [killed] = [r for r in caplog.records if "restarting the worker" in r.getMessage()]
+        assert "hung" in killed.getMessage()
+        waited = killed.created - wall
+        assert 2 * config.step_timeout_s <= waited < 2 * config.step_timeout_s + 1.0, waited
+        assert time.monotonic() - start < 30.0
+    finally:
+        pool.close()
+
+
 def test_queued_steps_each_within_step_timeout_are_not_a_hang():
     """A step's clock starts when the worker begins it, not when it was queued.
 

@@ -76,7 +76,10 @@ class PoolConfig:
     close_timeout_s: float = 3.0
     #: an env step or reset running longer than this is hung (None: never): a
     #: local worker is killed and restarted; a remote worker's slots are
-    #: vacated (its token void) and wait ``rejoin_timeout_s`` for a worker.
+    #: vacated (its token void) and wait ``rejoin_timeout_s`` for a worker. A
+    #: worker that steps its envs in turn (without ``env_threads``, or a
+    #: remote one) gets this much for each of its requests in flight, counted
+    #: from its last reply.
     step_timeout_s: float | None = None
     #: how often local workers and the pool's beacon send heartbeats (a remote
     #: worker sends at its own ``--heartbeat-interval``).

@@ -263,25 +263,51 @@ class Supervisor:
         # A look at every env, so not at every pump: at most every DEADLINE_CHECK_S (a
         # hang is then seen that much later at most: milliseconds, against a timeout).
         self._next_deadline_check = now + min(DEADLINE_CHECK_S, timeout / 10)
-        oldest = now
+        next_late = float("inf")
         for slot in self.ledger.slots:  # the cheap lateness test first
             if not slot.in_flight:
                 continue
-            sent_at = slot.in_flight[0].sent_at
-            if now - sent_at <= timeout:
-                oldest = min(oldest, sent_at)
+            late_at = slot.in_flight[0].sent_at + timeout
+            if now <= late_at:
+                next_late = min(next_late, late_at)
                 continue
             env = self.roster.envs[slot.index]
             host = env.holder
             if env.link is None or host is None or host.phase is not WorkerPhase.LIVE:
                 continue
+            if self._steps_in_turn(host):
+                late_at = self._late_in_turn_at(host, timeout)
+                if now <= late_at:
+                    next_late = min(next_late, late_at)
+                    continue
             cause = f"hung: no reply to {slot.in_flight[0].command.name} within {timeout} s"
             if host.remote:  # not ours to kill: its token is void, its slots wait
                 self.vacate(host, now, cause)
             else:
                 self._kill(host, cause, "")
-        late_at = oldest + timeout if oldest < now else float("inf")
-        self._next_late_at = max(late_at, self._next_deadline_check)
+        self._next_late_at = max(next_late, self._next_deadline_check)
+
+    def _steps_in_turn(self, host: WorkerRecord) -> bool:
+        """Whether ``host`` may run its envs' commands one after another, not side by side.
+
+        A local worker of several envs without env threads does; so may a remote
+        one (``--env-threads`` is its own choice, and the default is without).
+        """
+        return len(host.envs) > 1 and (host.remote or not self.config.env_threads)
+
+    def _late_in_turn_at(self, host: WorkerRecord, timeout: float) -> float:
+        """When a worker stepping its envs in turn is late: once its requests in flight have
+        had ``timeout`` each since it last answered (or since the oldest was sent, if later).
+
+        Each env's clock alone would count the steps queued ahead of it on the
+        worker (session 53's audit: two envs of 0.4 s steps, step_timeout_s=0.6,
+        every step truncated, then a crash loop). A hang is then seen after at
+        most as many timeouts as the worker has requests in flight.
+        """
+        slots = [self.ledger.slots[env] for env in host.envs]
+        pending = [p for slot in slots for p in slot.in_flight]
+        since = max(min(p.sent_at for p in pending), max(s.answered_at for s in slots))
+        return since + len(pending) * timeout
 
     def _kill(self, record: WorkerRecord, cause: str, traceback: str) -> None:
         """SIGKILL a local worker; its pidfd then reports the death as usual."""
