@@ -235,6 +235,37 @@ def test_registering_again_and_again_does_not_build_the_specs_again(tmp_path, ke
     assert cpu < 2.0, f"150 REGISTERs of the same specs cost the pool {cpu:.1f} s of CPU"
 
 
+def test_remote_specs_that_do_not_stack_are_refused_not_the_pool(tmp_path, key_dir, context):
+    """Session 53's audit: with ``stack="lazy"`` nothing held a remote worker's specs to the
+    others', and once one with an observation of another class took the slot, stacking
+    the pool's specs failed its whole construction. That peer is now refused, and an
+    honest worker takes the slot.
+    """
+    port = free_port_base(HOST)
+    four_floats = {"dtype": "float32", "shape": [4]}
+    leaf = {
+        "class": "BoundedContinuous",
+        "shape": [4],
+        "device": "cpu",
+        "dtype": "float32",
+        "low": {**four_floats, "data": b"\0" * 16},
+        "high": {**four_floats, "data": b"\0\0\x80\x3f" * 4},
+    }
+    with victim_on(tmp_path, key_dir, port, local=[{"env_id": 0}], stack="lazy") as victim:
+        hello = victim.hello
+        odd = worker(context, victim, port, key_dir, 1, b"odd-one")
+        body = hello.register_body([with_leaf(hello.spec, "observation", leaf)])
+        welcome = odd.register(body, timeout_s=60, give_up_if_refused=True)
+        refusals = list(odd.refusals)
+        odd.close()
+        honest = worker(context, victim, port, key_dir, 0, b"honest")
+        assert honest.register(timeout_s=60) is not None, (refusals, honest.refusals[-2:])
+        built = victim.wait("constructed", "construct_failed", timeout_s=60)
+        honest.close()
+    assert welcome is None and "do not stack with env 0" in refusals[-1], refusals
+    assert built["event"] == "constructed", built
+
+
 # ---------------------------------------------------------------- 6: large results frames
 
 

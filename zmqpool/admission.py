@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+import torch
 import zmq
 
 from zmqpool.broker import Broker
@@ -427,7 +428,31 @@ class Registrar:
             layout = layout_of(spec.zero())
         except Exception as err:  # a peer's specs: whatever they break is a refusal
             raise RegistrationError(f"specs that cannot be built: {err}") from None
+        if remote:
+            self._check_stacks(env, spec)
         return data, spec, layout
+
+    def _check_stacks(self, env: int, spec: Any) -> None:
+        """A remote env's specs must stack with the others', or the pool's specs could not be
+        made (construction would fail for every env): refused, that peer alone.
+
+        Compared with one other env's, built already (a local env's in a mixed
+        pool): stacking is decided leaf by leaf, class against class. A dense
+        pool's were compared in full already.
+        """
+        if self.same_specs:
+            return
+        other = next((e for e in self.roster.envs if e.spec is not None and e.index != env), None)
+        if other is None:
+            return
+        try:  # torch.stack of Composites is lazy: its leaves stack when read
+            stacked: Any = torch.stack([other.spec, spec])
+            for key in stacked.keys(include_nested=True, leaves_only=True):
+                stacked[key]
+        except Exception as err:  # whatever torchrl raises for these specs
+            raise RegistrationError(
+                f"specs that do not stack with env {other.index}'s: {err}"
+            ) from None
 
     def _compare(self, env: int | None, data: Any) -> None:
         """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
