@@ -131,9 +131,11 @@ MAX_NONTENSOR_ITEMS = 16384
 MAX_REMOTE_CONTROL_BYTES = 256 << 10
 #: Messages libzmq queues for the pool per remote connection (its RCVHWM; the
 #: default is 1,000) before it stops reading that connection. What a peer can
-#: make the trainer hold between two of its calls is this many of the side's
-#: largest message per connection: at 1,000, eight connections of 256 KiB
-#: messages held 2 GB. A worker sends the control socket a REGISTER, its rare
+#: make the trainer hold between two of its calls is this many messages per
+#: connection: at 1,000, eight connections of 256 KiB messages held 2 GB. A
+#: message is held whole, and only its frames are limited (MAXMSGSIZE): one of
+#: many frames from an authorized key is held entire (README, Known limits;
+#: the remedy is revoking the key). A worker sends the control socket a REGISTER, its rare
 #: FAILEDs and heartbeats (dropped by it when the queue is full), and the
 #: results socket no more messages at a time than it has requests in flight;
 #: more waits in the worker (PUSH blocks), nothing is lost.
