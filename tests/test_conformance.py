@@ -72,6 +72,7 @@ from zmqpool import (
     EnvError,
     MissingKeyError,
     NothingInFlightError,
+    PoolClosedError,
     PoolConfig,
     ZMQAsyncEnvPool,
 )
@@ -1089,13 +1090,19 @@ class TestDeadlines:
 
     # ------------------------------------------------------------ close (last: ends the pools)
 
-    def test_zz_close_then_use_is_refused(self, delayed):
+    def test_zz_close_then_use(self, delayed):
+        """torchrl's pool raises once closed; this one starts again on a reset, as
+        ``SerialEnv`` does (README), and a recv raises: nothing can be in flight."""
         # Last of its class (its tests all use the same fixtures, so pytest
         # keeps their order): it closes the class's pools.
         for p in delayed.pools:
             p.close()
-        error = assert_same_error(lambda: delayed.oracle.reset(), lambda: delayed.zmq.reset())
-        assert isinstance(error, RuntimeError)
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            delayed.oracle.reset()
+        with pytest.raises(PoolClosedError, match="starts its envs again"):
+            delayed.zmq.async_step_recv(min_get=1, timeout=1.0)
+        assert delayed.zmq.reset().batch_size == (len(DELAYS),)
+        delayed.zmq.close()
 
 
 # ====================================================================== env structures
