@@ -388,6 +388,36 @@ def test_malformed_beats_are_counted_and_ignored_and_the_worker_serves_on(keys, 
         trainer.close()
 
 
+def test_what_is_sent_to_the_heartbeat_dealer_is_not_queued_in_the_worker(keys, tmp_path):
+    """The pool sends the heartbeat thread's DEALER nothing, and nothing reads it: libzmq
+    queued what came (up to RCVHWM's default of 1,000 messages, of up to a header's
+    1 MiB each). 300 messages of ~1 MiB from the pool's key grow the worker by
+    less than MAX_GROWTH_MB over the next three beats.
+    """
+    trainer = FakeTrainer(keys)
+    log = tmp_path / "w.log"
+    try:
+        with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
+            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
+            deadline, beat_identity = time.monotonic() + 30.0, None
+            while beat_identity is None and trainer.router.poll(1000):
+                assert time.monotonic() < deadline, log.read_text()
+                identity, frame, *_ = trainer.router.recv_multipart()
+                if Header.decode(frame).command == Command.HEARTBEAT:
+                    beat_identity = identity
+            assert beat_identity is not None and beat_identity.endswith(b"!hb"), log.read_text()
+            memory = PeakMemory(proc.pid)
+            junk = bytes((1 << 20) - 1024)
+            for _ in range(300):
+                trainer.router.send_multipart([beat_identity, junk])
+            assert trainer.count_heartbeats(3, 10.0) == 3, log.read_text()
+            growth = memory.growth()
+            assert proc.poll() is None, log.read_text()
+        assert growth < MAX_GROWTH_MB, f"the worker's memory grew {growth:.0f} MB"
+    finally:
+        trainer.close()
+
+
 # ---------------------------------------------------------------- key files
 
 

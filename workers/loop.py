@@ -924,7 +924,9 @@ class Worker:
     def _open_beat(self) -> tuple[zmq.Socket, _DropWatch | None]:
         """The heartbeat thread's DEALER, connected (with its watch, over TCP)."""
         beat = self._socket(zmq.DEALER, self.identity + b"!hb")
-        # The pool sends this DEALER nothing; a header is the most it could.
+        # The pool sends this DEALER nothing, and nothing reads it: a header is the most
+        # it could send, and one is all libzmq queues (by default 1,000: 1 GB of headers).
+        beat.setsockopt(zmq.RCVHWM, 1)
         return beat, self._connect(beat, self.router, MAX_HEADER_BYTES)
 
     def _heartbeat_loop(self) -> None:
