@@ -467,17 +467,22 @@ def test_a_revoked_key_is_dropped_and_refused(tmp_path, key_dir, context):
 # ---------------------------------------------------------------- 8: remote step deadlines
 
 
-def test_a_remote_worker_that_never_answers_is_given_up_on(tmp_path, key_dir, context):
-    """Finding 8: ``step_timeout_s`` holds remote workers too.
+@pytest.mark.parametrize("timeout_field", ["step_timeout_s", "remote_step_timeout_s"])
+def test_a_remote_worker_that_never_answers_is_given_up_on(
+    tmp_path, key_dir, context, timeout_field
+):
+    """Finding 8: ``step_timeout_s`` holds remote workers too, and without it
+    ``remote_step_timeout_s`` (by default 300 s: session 53's audit found a mute
+    remote worker held a sync step for ever with no step_timeout_s).
 
     Two remote slots, each held by a worker that takes its step and never
-    answers (``step_timeout_s=1``, ``rejoin_timeout_s=2``). Env A: nobody
+    answers (a timeout of 1 s, ``rejoin_timeout_s=2``). Env A: nobody
     comes; its recv must raise ``EnvLostError`` within 6 s. Env B: an honest
     worker registers for it (``slots=[B]``) once it is free; its step must
     come back as a restart (a reset-based truncation).
     """
     port = free_port_base(HOST)
-    config = {"step_timeout_s": 1.0, "rejoin_timeout_s": 2.0, "heartbeat_interval_s": 0.25}
+    config = {timeout_field: 1.0, "rejoin_timeout_s": 2.0, "heartbeat_interval_s": 0.25}
     config["heartbeat_liveness"] = 400
     with victim_on(tmp_path, key_dir, port, remote_envs=2, config=config) as victim:
         mute_a = worker(context, victim, port, key_dir, 0, b"mute-a")

@@ -20,7 +20,12 @@ _BOOL_FIELDS = (
 )
 
 #: Fields whose None means "not set" (documented at each).
-_OPTIONAL_FIELDS = ("step_timeout_s", "max_slots_per_key", "worker_torch_threads")
+_OPTIONAL_FIELDS = (
+    "step_timeout_s",
+    "remote_step_timeout_s",
+    "max_slots_per_key",
+    "worker_torch_threads",
+)
 
 #: Whole-number fields and their least value.
 _INT_FIELDS = {
@@ -81,6 +86,10 @@ class PoolConfig:
     #: remote one) gets this much for each of its requests in flight, counted
     #: from its last reply.
     step_timeout_s: float | None = None
+    #: a remote env's ``step_timeout_s`` when that is None: a remote worker that
+    #: keeps beating but never answers would otherwise hold its env's requests
+    #: (and a sync call on the pool) for ever (None: as local envs, no limit).
+    remote_step_timeout_s: float | None = 300.0
     #: how often local workers and the pool's beacon send heartbeats (a remote
     #: worker sends at its own ``--heartbeat-interval``).
     heartbeat_interval_s: float = 1.0

@@ -254,20 +254,24 @@ class Supervisor:
             self._kill(record, f"its restart did not register within {timeout} s", "")
 
     def _check_deadlines(self, now: float) -> None:
-        timeout = self.config.step_timeout_s
-        if timeout is None:
+        local = self.config.step_timeout_s
+        remote = local if local is not None else self.config.remote_step_timeout_s
+        if remote is None or not self.roster.remote_indices:
+            remote = local
+        if remote is None:  # then local is None too: nothing is ever late
             return
+        shortest = remote if local is None else min(local, remote)
         if now < self._next_deadline_check:  # a request sent since the last look: look then
             self._next_late_at = min(self._next_late_at, self._next_deadline_check)
             return
         # A look at every env, so not at every pump: at most every DEADLINE_CHECK_S (a
         # hang is then seen that much later at most: milliseconds, against a timeout).
-        self._next_deadline_check = now + min(DEADLINE_CHECK_S, timeout / 10)
+        self._next_deadline_check = now + min(DEADLINE_CHECK_S, shortest / 10)
         next_late = float("inf")
         for slot in self.ledger.slots:  # the cheap lateness test first
             if not slot.in_flight:
                 continue
-            late_at = slot.in_flight[0].sent_at + timeout
+            late_at = slot.in_flight[0].sent_at + shortest
             if now <= late_at:
                 next_late = min(next_late, late_at)
                 continue
@@ -275,11 +279,15 @@ class Supervisor:
             host = env.holder
             if env.link is None or host is None or host.phase is not WorkerPhase.LIVE:
                 continue
+            timeout = remote if host.remote else local
+            if timeout is None:  # a local env without step_timeout_s: never late
+                continue
+            late_at = slot.in_flight[0].sent_at + timeout
             if self._steps_in_turn(host):
                 late_at = self._late_in_turn_at(host, timeout)
-                if now <= late_at:
-                    next_late = min(next_late, late_at)
-                    continue
+            if now <= late_at:
+                next_late = min(next_late, late_at)
+                continue
             cause = f"hung: no reply to {slot.in_flight[0].command.name} within {timeout} s"
             if host.remote:  # not ours to kill: its token is void, its slots wait
                 self.vacate(host, now, cause)
