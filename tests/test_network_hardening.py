@@ -6,7 +6,7 @@ memory, its log and what its ports answer are measured as an attacker or an
 operator would see them, through the public API only (the pool's arguments,
 ``remote_endpoint``, its log, its RSS, its sockets' behaviour). A pool bound
 on ``tcp://127.0.0.1:P`` listens on P (ROUTER), P+1 (results PULL) and P+2
-(beacon PUB). Keys: workers 0 and 1 are authorized, worker 2 and any
+(beacon XPUB). Keys: workers 0 and 1 are authorized, worker 2 and any
 :func:`zmq.curve_keypair` are not (``key_dir`` in conftest.py).
 """
 
@@ -100,7 +100,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
 
     A raw TCP client greets with CURVE and announces one long command frame;
     whatever the socket's MAXMSGSIZE lets through is held until the handshake
-    times out. 300 MiB into the results PULL and into the beacon PUB, and 150
+    times out. 300 MiB into the results PULL and into the beacon XPUB, and 150
     connections of 1 MiB to the ROUTER: the pool's RSS must grow by less than 64 MB.
     """
     port = free_port_base(HOST)
@@ -111,7 +111,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
             growth, notes = {}, []
             phases = [
                 ("results PULL", port + 1, [(1 << 30, 300 * MB)]),
-                ("beacon PUB", port + 2, [(1 << 30, 300 * MB)]),
+                ("beacon XPUB", port + 2, [(1 << 30, 300 * MB)]),
                 ("ROUTER", port, [(MB, MB)] * 150),
             ]
             for name, target, shots in phases:
