@@ -310,6 +310,10 @@ def test_crash_loop_raises_naming_the_env_and_spares_the_others():
             pool.async_step_send(actions([0.1]), env_index=[0])
         pool.async_step_send(actions([0.3]), env_index=[1])  # the healthy env carries on
         assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+        pool.close()  # the way back for a lost env: the next call starts every env again
+        pool.async_step_send(actions([0.3]), env_index=[1])
+        assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+        assert not pool.env_stats()[0]["lost"]
     finally:
         pool.close()
 
