@@ -868,7 +868,7 @@ def _live_sockets() -> list[dict[str, Any]]:
     import gc
 
     found = []
-    names = {zmq.ROUTER: "ROUTER", zmq.PULL: "PULL", zmq.XPUB: "XPUB", zmq.DEALER: "DEALER"}
+    names = {zmq.ROUTER: "ROUTER", zmq.PULL: "PULL", zmq.PUB: "PUB", zmq.DEALER: "DEALER"}
     for obj in gc.get_objects():
         if not isinstance(obj, zmq.Socket) or obj.closed:
             continue

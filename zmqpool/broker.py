@@ -62,12 +62,8 @@ _DRAIN_SECONDS = 0.01
 _HANDSHAKE_MS = 5000
 #: The ZAP domain of the remote side's sockets (enforced: no handler, no peer).
 _ZAP_DOMAIN = b"zmqpool"
-#: The beacon's XPUB only ever reads subscriptions (one byte and a prefix).
+#: The beacon's PUB only ever reads subscriptions (one byte and a prefix).
 _BEACON_MAXMSGSIZE = 1024
-#: Subscriptions queued per peer, and read per beat at most: a worker sends one.
-_BEACON_SUBSCRIPTIONS = 64
-#: The only subscription applied: a worker's SUB subscribes to every beat.
-_SUBSCRIBE_ALL = b"\x01"
 
 
 class Sink(Protocol):
@@ -312,17 +308,11 @@ class _Control:
 
 
 class Beacon:
-    """The pool's heartbeat to remote workers, from its own thread and its own XPUB socket.
+    """The pool's heartbeat to remote workers, from its own thread and its own PUB socket.
 
     A thread, so that a trainer busy for minutes between calls still looks
     alive; each beat carries the pool's epoch, so workers of a restarted
     trainer notice the new pool and register again.
-
-    An XPUB with manual subscriptions, not a PUB: a PUB keeps every prefix a
-    peer subscribes to in its trie, about 50 bytes of the trainer's memory a
-    byte sent, for as long as the peer stays; here each peer gets at most the
-    one subscription a worker's SUB sends (every beat), applied at the next
-    beat, and anything else is read and dropped.
     """
 
     def __init__(
@@ -333,10 +323,8 @@ class Beacon:
         epoch: bytes,
         config: PoolConfig,
     ) -> None:
-        self.sock = context.socket(zmq.XPUB)
+        self.sock = context.socket(zmq.PUB)
         self.sock.linger = 0
-        self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
-        self.sock.setsockopt(zmq.RCVHWM, _BEACON_SUBSCRIPTIONS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, _BEACON_MAXMSGSIZE)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         if keys is not None:
@@ -353,26 +341,11 @@ class Beacon:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval_s):
-                self._apply_subscriptions()
                 self.sock.send(self.beat, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the context is being destroyed: the pool is closing
         finally:
             self.sock.close(linger=0)
-
-    def _apply_subscriptions(self) -> None:
-        """Subscribe each peer that asked for every beat (manual: the last sender's pipe).
-
-        Bounded per beat, so a peer that floods subscriptions costs this thread
-        a slice of a beat, not the beat.
-        """
-        for _ in range(_BEACON_SUBSCRIPTIONS):
-            try:
-                request = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if request == _SUBSCRIBE_ALL:
-                self.sock.setsockopt(zmq.SUBSCRIBE, b"")
 
     def stop(self) -> None:
         self._stop.set()

@@ -45,7 +45,7 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         kind          str                  a :class:`FailureKind` value: FAILED says
                                            "maker" or "register", ERROR "env" or "protocol"
 
-    PING       pool -> worker, XPUB        {"epoch": bytes [1, 64]}    Ping
+    PING       pool -> worker, PUB         {"epoch": bytes [1, 64]}    Ping
 
 HEARTBEAT and CLOSE carry no body. Text limits are in characters; at 4
 UTF-8 bytes a character at worst, a clipped FAILED stays under a quarter of
