@@ -6,6 +6,7 @@ test_stress.py (the ``pool`` fixture's ``mixed`` parameter).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -465,6 +466,56 @@ def test_a_remote_env_that_hung_once_takes_its_slot_back_when_it_wakes(remote_ho
             assert out["next", "truncated"].item() == expect_truncation
             assert pool.last_restarted_envs == ([0] if expect_truncation else [])
         assert "hung" in pool.env_stats()[0]["last_restart_cause"]
+    finally:
+        pool.close()
+        stop(worker)
+
+
+def test_a_hang_on_a_remote_worker_with_env_threads_is_seen_while_its_other_env_steps(
+    remote_host, key_dir, caplog
+):
+    """A remote worker of two envs may step them in turn, so its requests share a clock
+    that its replies move on; a reply to a request sent after the hung one says
+    nothing of it (session 53's review: env 1 stepped 230 times in 12 s, env 0's
+    hang never seen). Its worker is set aside within two timeouts (two requests in
+    flight) and slack, while env 1 steps on.
+    """
+    port = free_port_base(remote_host.pool_ip)
+    hangs = [{"fault": "hang", "fault_at": 2, "hang_s": 60.0}, {"fault": "hang", "fault_at": 10**9}]
+    worker = start_remote_worker(
+        remote_host,
+        port,
+        key_dir,
+        env="zmqpool.testing:FaultyEnv",
+        kwargs=hangs,
+        num_envs=2,
+        extra=(*FAST_BEATS, "--single-process", "--env-threads", "--no-inline-cheap"),
+    )
+    config = dataclasses.replace(BEATS, step_timeout_s=1.0)
+    pool = remote_pool(remote_host, port, key_dir, config=config, remote_envs=2)
+
+    def hung() -> bool:
+        return any("hung" in r.getMessage() for r in caplog.records)
+
+    try:
+        pool.reset()
+        step(pool, [0])
+        pool.async_step_recv(min_get=1, timeout=60)
+        with caplog.at_level(logging.WARNING, logger="zmqpool"):
+            step(pool, [0])  # env 0 hangs in this one
+            hung_since, env1_steps = time.monotonic(), 0
+            step(pool, [1])
+            while not hung() and time.monotonic() - hung_since < 15.0:
+                with contextlib.suppress(TimeoutError):
+                    pool.async_step_recv(min_get=1, timeout=0.2)
+                    env1_steps += 1
+                    step(pool, [1])
+            seen_after = time.monotonic() - hung_since
+        assert hung(), f"env 0's hang unseen after {seen_after:.1f} s ({env1_steps} of env 1's)"
+        assert env1_steps >= 2 and seen_after < 2 * config.step_timeout_s + 2.0, (
+            seen_after,
+            env1_steps,
+        )
     finally:
         pool.close()
         stop(worker)

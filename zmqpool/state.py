@@ -101,9 +101,11 @@ class EnvRequests:
     in_flight: deque[Pending] = dataclasses.field(default_factory=deque)
     steps: int = 0
     latencies_s: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=1024))
-    #: When its latest reply came (its worker's progress, for a worker that steps its
-    #: envs one after another: see ``Supervisor._late_in_turn``).
+    #: When its latest reply came, and when the request it answered was sent (a
+    #: worker's progress, for one that steps its envs in turn: see
+    #: ``Supervisor._late_in_turn_at``).
     answered_at: float = float("-inf")
+    answered_sent_at: float = float("-inf")
 
 
 class Ledger:
@@ -210,7 +212,7 @@ class Ledger:
             if following.sent_at < now:
                 following.sent_at = now
         slot.latencies_s.append(now - pending.sent_at)
-        slot.answered_at = now
+        slot.answered_at, slot.answered_sent_at = now, pending.sent_at
         return pending
 
     def deliver(self, reply: Reply, now: float | None = None) -> None:

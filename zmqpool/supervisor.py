@@ -305,17 +305,21 @@ class Supervisor:
 
     def _late_in_turn_at(self, host: WorkerRecord, timeout: float) -> float:
         """When a worker stepping its envs in turn is late: once its requests in flight have
-        had ``timeout`` each since it last answered (or since the oldest was sent, if later).
+        had ``timeout`` each since the oldest was sent, or since the worker answered a
+        request sent no later than it (it then started on the next one).
 
         Each env's clock alone would count the steps queued ahead of it on the
         worker (session 53's audit: two envs of 0.4 s steps, step_timeout_s=0.6,
-        every step truncated, then a crash loop). A hang is then seen after at
-        most as many timeouts as the worker has requests in flight.
+        every step truncated, then a crash loop). A reply to a request sent after
+        the oldest says nothing of the oldest (a worker with env threads answers
+        one env while another hangs), so it does not move the clock: a hang is
+        seen after at most as many timeouts as the worker has requests in flight.
         """
         slots = [self.ledger.slots[env] for env in host.envs]
         pending = [p for slot in slots for p in slot.in_flight]
-        since = max(min(p.sent_at for p in pending), max(s.answered_at for s in slots))
-        return since + len(pending) * timeout
+        oldest = min(p.sent_at for p in pending)
+        answered = [s.answered_at for s in slots if s.answered_sent_at <= oldest]
+        return max(oldest, *answered) + len(pending) * timeout
 
     def _kill(self, record: WorkerRecord, cause: str, traceback: str) -> None:
         """SIGKILL a local worker; its pidfd then reports the death as usual."""
