@@ -235,6 +235,18 @@ def test_registering_again_and_again_does_not_build_the_specs_again(tmp_path, ke
     assert cpu < 2.0, f"150 REGISTERs of the same specs cost the pool {cpu:.1f} s of CPU"
 
 
+_FOUR_FLOATS = {"dtype": "float32", "shape": [4]}
+#: An observation leaf of another class than CountingEnv's (Unbounded): they do not stack.
+BOUNDED_4 = {
+    "class": "BoundedContinuous",
+    "shape": [4],
+    "device": "cpu",
+    "dtype": "float32",
+    "low": {**_FOUR_FLOATS, "data": b"\0" * 16},
+    "high": {**_FOUR_FLOATS, "data": b"\0\0\x80\x3f" * 4},
+}
+
+
 def test_remote_specs_that_do_not_stack_are_refused_not_the_pool(tmp_path, key_dir, context):
     """Session 53's audit: with ``stack="lazy"`` nothing held a remote worker's specs to the
     others', and once one with an observation of another class took the slot, stacking
@@ -242,15 +254,7 @@ def test_remote_specs_that_do_not_stack_are_refused_not_the_pool(tmp_path, key_d
     honest worker takes the slot.
     """
     port = free_port_base(HOST)
-    four_floats = {"dtype": "float32", "shape": [4]}
-    leaf = {
-        "class": "BoundedContinuous",
-        "shape": [4],
-        "device": "cpu",
-        "dtype": "float32",
-        "low": {**four_floats, "data": b"\0" * 16},
-        "high": {**four_floats, "data": b"\0\0\x80\x3f" * 4},
-    }
+    leaf = BOUNDED_4
     with victim_on(tmp_path, key_dir, port, local=[{"env_id": 0}], stack="lazy") as victim:
         hello = victim.hello
         odd = worker(context, victim, port, key_dir, 1, b"odd-one")
@@ -263,6 +267,25 @@ def test_remote_specs_that_do_not_stack_are_refused_not_the_pool(tmp_path, key_d
         built = victim.wait("constructed", "construct_failed", timeout_s=60)
         honest.close()
     assert welcome is None and "do not stack with env 0" in refusals[-1], refusals
+    assert built["event"] == "constructed", built
+
+
+def test_a_first_remote_workers_own_envs_must_stack_too(tmp_path, key_dir, context):
+    """A remote-only lazy pool: the first worker has no other env to be held to, so its
+    own envs' specs are stacked with each other: two that do not stack are refused."""
+    port = free_port_base(HOST)
+    with victim_on(tmp_path, key_dir, port, remote_envs=2, stack="lazy") as victim:
+        hello = victim.hello
+        odd = worker(context, victim, port, key_dir, 1, b"odd-pair")
+        body = hello.register_body([hello.spec, with_leaf(hello.spec, "observation", BOUNDED_4)])
+        welcome = odd.register(body, timeout_s=60, give_up_if_refused=True)
+        refusals = list(odd.refusals)
+        odd.close()
+        honest = worker(context, victim, port, key_dir, 0, b"honest-pair")
+        assert honest.register(hello.register_body([hello.spec] * 2), timeout_s=60) is not None
+        built = victim.wait("constructed", "construct_failed", timeout_s=60)
+        honest.close()
+    assert welcome is None and "do not stack with its env" in refusals[-1], refusals
     assert built["event"] == "constructed", built
 
 

@@ -403,6 +403,9 @@ class Registrar:
         if claim.duplicate:
             return None, []
         specs = [self._check_spec(env, s) for env, s in zip(claim.envs, reg.specs, strict=True)]
+        if not self.same_specs:  # its own envs too: the first worker has nothing to stack with
+            for _, spec, _ in specs[1:]:
+                _check_stack(spec, specs[0][1], f"its env {claim.envs[0]}'s")
         cause = "its remote worker came back as a new process"
         return self.roster.take_remote(identity, key, claim, cause), specs
 
@@ -443,16 +446,8 @@ class Registrar:
         if self.same_specs:
             return
         other = next((e for e in self.roster.envs if e.spec is not None and e.index != env), None)
-        if other is None:
-            return
-        try:  # torch.stack of Composites is lazy: its leaves stack when read
-            stacked: Any = torch.stack([other.spec, spec])
-            for key in stacked.keys(include_nested=True, leaves_only=True):
-                stacked[key]
-        except Exception as err:  # whatever torchrl raises for these specs
-            raise RegistrationError(
-                f"specs that do not stack with env {other.index}'s: {err}"
-            ) from None
+        if other is not None:
+            _check_stack(spec, other.spec, f"env {other.index}'s")
 
     def _compare(self, env: int | None, data: Any) -> None:
         """Against the env's own earlier specs, a remote slot's against ``remote_spec``, and
@@ -530,3 +525,13 @@ def peer_key(frame: zmq.Frame) -> str | None:
         return str(frame.get("User-Id"))
     except zmq.ZMQError:  # no ZAP handler answered for this connection
         return None
+
+
+def _check_stack(spec: Any, other: Any, whose: str) -> None:
+    """Refuse ``spec`` unless it stacks with ``other`` (a RegistrationError naming ``whose``)."""
+    try:  # torch.stack of Composites is lazy: its leaves stack when read
+        stacked: Any = torch.stack([other, spec])
+        for key in stacked.keys(include_nested=True, leaves_only=True):
+            stacked[key]
+    except Exception as err:  # whatever torchrl raises for these specs
+        raise RegistrationError(f"specs that do not stack with {whose}: {err}") from None
