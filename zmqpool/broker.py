@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -217,7 +218,9 @@ class Broker:
         """
         waits = interrupts.wait_begins()  # a Ctrl-C may end this wait: nothing is half read
         try:
-            events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+            # Rounded up: rounded down, a wait of under 1 ms polled without waiting until
+            # its deadline (a pump woken for a step deadline spun for that last ms).
+            events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
         finally:
             if waits:
                 interrupts.STATE.waiting = False
