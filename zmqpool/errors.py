@@ -197,7 +197,8 @@ class PoolClosedError(ZMQPoolError, RuntimeError):
     """A recv after ``close()`` (nothing is in flight), a call cut short by ``close()``
     in another thread, or any call in a process forked from the pool's.
 
-    A step, reset or send after ``close()`` starts the pool again, as ``SerialEnv``'s.
+    A step, reset, send or ``set_seed`` after ``close()`` starts the pool again, as
+    ``SerialEnv``'s.
     """
 
 
