@@ -442,20 +442,19 @@ def test_a_second_worker_of_a_key_with_no_slot_left_is_refused_after_waiting(rem
                 stop(process)
 
 
+def faulty_worker(host, port, keys, kwargs, **more) -> subprocess.Popen:
+    """A remote worker of FaultyEnvs (``kwargs``: one dict, or one per env)."""
+    env = "zmqpool.testing:FaultyEnv"
+    return start_remote_worker(host, port, keys, env=env, kwargs=kwargs, **more)
+
+
 def test_a_remote_env_that_hung_once_takes_its_slot_back_when_it_wakes(remote_host, key_dir):
     # step_timeout_s sets the worker aside (its token void) and the pool asks it to
     # register again (REJOIN): once its step ends it does, and takes its slot back.
     # It used to beat on, unheard, until rejoin_timeout_s declared its env lost.
     port = free_port_base(remote_host.pool_ip)
     hangs = {"fault": "hang", "fault_at": 2, "hang_s": 3.0, "every_episode": False}
-    worker = start_remote_worker(
-        remote_host,
-        port,
-        key_dir,
-        env="zmqpool.testing:FaultyEnv",
-        kwargs=hangs,
-        extra=FAST_BEATS,
-    )
+    worker = faulty_worker(remote_host, port, key_dir, hangs, extra=FAST_BEATS)
     config = dataclasses.replace(BEATS, step_timeout_s=1.0)
     pool = remote_pool(remote_host, port, key_dir, config=config)
     try:
@@ -482,14 +481,9 @@ def test_a_hang_on_a_remote_worker_with_env_threads_is_seen_while_its_other_env_
     """
     port = free_port_base(remote_host.pool_ip)
     hangs = [{"fault": "hang", "fault_at": 2, "hang_s": 60.0}, {"fault": "hang", "fault_at": 10**9}]
-    worker = start_remote_worker(
-        remote_host,
-        port,
-        key_dir,
-        env="zmqpool.testing:FaultyEnv",
-        kwargs=hangs,
-        num_envs=2,
-        extra=(*FAST_BEATS, "--single-process", "--env-threads", "--no-inline-cheap"),
+    in_threads = ("--single-process", "--env-threads", "--no-inline-cheap")
+    worker = faulty_worker(
+        remote_host, port, key_dir, hangs, num_envs=2, extra=FAST_BEATS + in_threads
     )
     config = dataclasses.replace(BEATS, step_timeout_s=1.0)
     pool = remote_pool(remote_host, port, key_dir, config=config, remote_envs=2)
