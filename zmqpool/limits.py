@@ -134,11 +134,11 @@ MAX_REMOTE_CONTROL_BYTES = 256 << 10
 #: make the trainer hold between two of its calls is this many messages per
 #: connection: at 1,000, eight connections of 256 KiB messages held 2 GB. A
 #: message is held whole, and only its frames are limited (MAXMSGSIZE): one of
-#: many frames from an authorized key is held entire (README, Known limits;
-#: the remedy is revoking the key). A worker sends the control socket a REGISTER, its rare
-#: FAILEDs and heartbeats (dropped by it when the queue is full), and the
-#: results socket no more messages at a time than it has requests in flight;
-#: more waits in the worker (PUSH blocks), nothing is lost.
+#: many frames from an authorized key is held entire (README, Known limits).
+#: A worker sends the control socket a REGISTER, its rare FAILEDs and
+#: heartbeats (dropped by it when the queue is full), and the results socket
+#: no more messages at a time than it has requests in flight; more waits in
+#: the worker (PUSH blocks), nothing is lost.
 REMOTE_CONTROL_QUEUE = 16
 REMOTE_RESULTS_QUEUE = 64
 
