@@ -461,6 +461,7 @@ class Runtime:
         now = time.monotonic()
         pending = self.ledger.open_request(env, command, per_env, payload, payload, body, now)
         self.dispatch(env, pending)
+        self.supervisor.note_sent(now)
 
     def dispatch(self, env: int, pending: Pending) -> None:
         """Send a recorded request; while its env has no worker, it waits in the ledger.
@@ -565,6 +566,7 @@ class Runtime:
         open_request, dispatch = self.ledger.open_request, self.dispatch
         for env, payload in zip(envs, payloads, strict=True):
             dispatch(env, open_request(env, command, per_env, payload, payload, None, now))
+        self.supervisor.note_sent(now)
 
     def revoke(self, key: str) -> list[int]:
         """Refuse CURVE key ``key`` from now on, and vacate the slots its workers hold.

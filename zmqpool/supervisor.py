@@ -88,9 +88,15 @@ class Supervisor:
             config.restart_backoff_max_s,
         )
         self._next_deadline_check = float("-inf")
-        #: When the oldest request in flight at the last deadline check turns late: a pump
-        #: waiting for replies wakes then, not a heartbeat interval later.
+        #: When the oldest request in flight turns late (as of the last deadline check, or
+        #: a send since): a pump waiting for replies wakes then, not a heartbeat later.
         self._next_late_at = float("inf")
+        self._local_timeout, self._remote_timeout = self._timeouts()
+        #: The shortest of the two (None: no request is ever late).
+        self._shortest_timeout = min(
+            (t for t in (self._local_timeout, self._remote_timeout) if t is not None),
+            default=None,
+        )
 
     # ------------------------------------------------------------ events
 
@@ -253,14 +259,26 @@ class Supervisor:
         for record in self.roster.overdue(now, timeout):
             self._kill(record, f"its restart did not register within {timeout} s", "")
 
-    def _check_deadlines(self, now: float) -> None:
+    def _timeouts(self) -> tuple[float | None, float | None]:
+        """When a local and a remote env's request is late (None: never).
+
+        A remote env's is ``step_timeout_s``, or without it ``remote_step_timeout_s``.
+        """
         local = self.config.step_timeout_s
-        remote = local if local is not None else self.config.remote_step_timeout_s
-        if remote is None or not self.roster.remote_indices:
-            remote = local
-        if remote is None:  # then local is None too: nothing is ever late
+        if not self.roster.remote_indices:
+            return local, None
+        return local, local if local is not None else self.config.remote_step_timeout_s
+
+    def note_sent(self, now: float) -> None:
+        """Requests were sent at ``now``: a pump waiting for their replies wakes at their
+        deadline (the next deadline check would note it only after that pump's wait)."""
+        if self._shortest_timeout is not None:
+            self._next_late_at = min(self._next_late_at, now + self._shortest_timeout)
+
+    def _check_deadlines(self, now: float) -> None:
+        local, remote, shortest = self._local_timeout, self._remote_timeout, self._shortest_timeout
+        if shortest is None:  # nothing is ever late
             return
-        shortest = remote if local is None else min(local, remote)
         if now < self._next_deadline_check:  # a request sent since the last look: look then
             self._next_late_at = min(self._next_late_at, self._next_deadline_check)
             return
