@@ -71,7 +71,9 @@ def _exclusive(method: _Method) -> _Method:
 
 
 def _starting(method: _Method) -> _Method:
-    """As :func:`_exclusive`, and a pool closed by ``close()`` starts again first.
+    """As :func:`_exclusive`, and a pool closed by ``close()`` starts again first (a
+    forked child's pool raises :class:`PoolClosedError` there: such calls need no
+    ``_check_open`` of their own).
 
     SerialEnv's and ParallelEnv's way (their ``_check_start``): torchrl's
     Collector closes its env once it has collected ``total_frames``, and
@@ -512,7 +514,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         the pool stays busy. With a ``"_reset"`` mask that leaves some envs out,
         only the envs it selects are reset, as by ``SerialEnv``.
         """
-        self._check_open()
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
             if envs_to_reset(tensordict, self.reset_keys, self.num_envs) is not None:
@@ -524,7 +525,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             return super().reset(tensordict, **kwargs)
 
     def _check_idle(self, kind: Kind) -> None:
-        self._check_open()
         self._settle_interrupted()
         if self._awaiting(kind) > 0:
             raise EnvBusyError("Some envs are still processing a step.")
@@ -539,7 +539,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         env_index: int | list[int] | None,
         make_if_none: bool,
     ) -> None:
-        self._check_open()
         env_index = self._indexer.arg(env_index)
         tensordict, env_idx = self._indexer.batch(tensordict, env_index, make_if_none)
         if command in STEPS:
@@ -730,7 +729,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_starting
     def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
-        self._check_open()
         if self._busy:
             raise EnvBusyError(f"cannot seed while envs {sorted(self._busy)} are busy")
         with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
