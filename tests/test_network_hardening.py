@@ -6,13 +6,15 @@ memory, its log and what its ports answer are measured as an attacker or an
 operator would see them, through the public API only (the pool's arguments,
 ``remote_endpoint``, its log, its RSS, its sockets' behaviour). A pool bound
 on ``tcp://127.0.0.1:P`` listens on P (ROUTER), P+1 (results PULL) and P+2
-(beacon PUB). Keys: workers 0 and 1 are authorized, worker 2 and any
-:func:`zmq.curve_keypair` are not (``key_dir`` in conftest.py).
+(the beacon's ROUTER, where workers ask for the pool's heartbeats). Keys:
+workers 0 and 1 are authorized, worker 2 and any :func:`zmq.curve_keypair`
+are not (``key_dir`` in conftest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -24,8 +26,9 @@ import zmq
 from hostile import Peer, Victim, client_keys, unknown_keys, wait_until
 
 from tests.netns import free_port_base
-from zmqpool.protocol import Failed, FailureKind
+from zmqpool.protocol import Failed, FailureKind, Ping
 from zmqpool.remote_failures import MAX_KEYS, RemoteFailures
+from zmqpool.wire import Command, Header
 
 HOST = "127.0.0.1"
 MB = 1 << 20
@@ -99,7 +102,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
 
     A raw TCP client greets with CURVE and announces one long command frame;
     whatever the socket's MAXMSGSIZE lets through is held until the handshake
-    times out. 300 MiB into the results PULL and into the beacon PUB, and 150
+    times out. 300 MiB into the results PULL and into the beacon's ROUTER, and 150
     connections of 1 MiB to the ROUTER: the pool's RSS must grow by less than 64 MB.
     """
     port = free_port_base(HOST)
@@ -110,7 +113,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
             growth, notes = {}, []
             phases = [
                 ("results PULL", port + 1, [(1 << 30, 300 * MB)]),
-                ("beacon PUB", port + 2, [(1 << 30, 300 * MB)]),
+                ("beacon ROUTER", port + 2, [(1 << 30, 300 * MB)]),
                 ("ROUTER", port, [(MB, MB)] * 150),
             ]
             for name, target, shots in phases:
@@ -143,6 +146,87 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
         f"{(before + total) / MB:.0f} MB) under floods without a key (bound 64 MB): "
         + "; ".join(notes)
     )
+
+
+def _curve_socket(context: zmq.Context, kind: int, key_dir, worker: int) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.linger, sock.sndhwm = 0, 0  # the flood waits in our queue, not dropped by it
+    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(key_dir, worker)
+    return sock
+
+
+def _asks_answered(peer: Peer, ask: bytes, epoch_of, count: int, timeout_s: float) -> int:
+    """Ask for a beat ``count`` times; how many were answered with a PING within ``timeout_s``."""
+    answered = 0
+    for _ in range(count):
+        peer.send(ask)
+        frame = peer.reply(timeout_s)
+        answered += frame is not None and epoch_of(frame) is not None
+    return answered
+
+
+@pytest.mark.parametrize("attack", ["subscriptions", "messages"])
+def test_an_authorized_peer_flooding_the_beats_port_does_not_grow_the_pools_memory(
+    tmp_path, key_dir, context, attack
+):
+    """An authorized key sends the beats port 5,000 messages of 900 random bytes (4.3 MiB).
+
+    ``subscriptions``: an XSUB's, as to a PUB. A PUB kept each in its trie, about
+    50 bytes of the pool's memory a byte sent (session 53's audit: 17 MB sent,
+    +830 MB, held until the peer left). ``messages``: a DEALER's, to what the
+    port is now, the beacon's ROUTER, which reads them and lets go. The pool's
+    RSS grows by less than 32 MB, an honest worker asking for beats meanwhile
+    gets each within 3 s, and the flooder, asking 500 times in a burst, is
+    answered once a heartbeat interval at most.
+    """
+    port = free_port_base(HOST)
+    beats = f"tcp://{HOST}:{port + 2}"
+    ask = Header(Command.HEARTBEAT).encode()
+    with remote_victim(tmp_path, key_dir, port) as victim:
+        before = hostile.settled_rss(victim.pid)
+        honest = Peer(context, beats, curve=client_keys(key_dir, 0))
+        flood = _curve_socket(
+            context, zmq.XSUB if attack == "subscriptions" else zmq.DEALER, key_dir, 1
+        )
+        flood.connect(beats)
+        try:
+            first = _asks_answered(honest, ask, _ping_epoch, 1, 10.0)
+            prefix = b"\x01" if attack == "subscriptions" else b""
+            for _ in range(5000):
+                flood.send(prefix + os.urandom(900))
+            asked_at = time.monotonic()
+            for _ in range(500):
+                flood.send(ask)
+            honest_beats = _asks_answered(honest, ask, _ping_epoch, 3, 3.0)
+            growth = hostile.settled_rss(victim.pid) - before
+            pings = _drain(flood, 1.0) if attack == "messages" else 0
+            intervals = (time.monotonic() - asked_at) / 1.0  # the victim's heartbeat interval
+        finally:
+            flood.close(linger=0)
+            honest.close()
+    assert first == 1 and honest_beats == 3, (
+        f"the honest worker's asks answered: {first} of 1 before the flood, "
+        f"{honest_beats} of 3 during it"
+    )
+    assert growth < 32 * MB, (
+        f"5,000 {attack} from an authorized key grew the pool's RSS by "
+        f"{growth / MB:.0f} MB (bound 32 MB)"
+    )
+    assert pings <= intervals + 1, f"500 asks answered {pings} times in {intervals:.1f} intervals"
+
+
+def _ping_epoch(frame: bytes) -> bytes | None:
+    header = Header.decode(frame)
+    return Ping.from_body(header.body).epoch if header.command == Command.PING else None
+
+
+def _drain(sock: zmq.Socket, quiet_s: float) -> int:
+    """Messages read from ``sock`` until none came for ``quiet_s``."""
+    count = 0
+    while sock.poll(int(quiet_s * 1000)):
+        sock.recv_multipart()
+        count += 1
+    return count
 
 
 # ---------------------------------------------------------------- 2: local TCP endpoints
@@ -217,7 +301,7 @@ def test_unknown_keys_get_nothing_even_without_a_zap_handler(tmp_path, key_dir, 
     """
     port = free_port_base(HOST)
     endpoints = {"ROUTER": (zmq.DEALER, port), "PULL": (zmq.PUSH, port + 1)}
-    endpoints["PUB"] = (zmq.SUB, port + 2)
+    endpoints["beacon"] = (zmq.DEALER, port + 2)
     with remote_victim(tmp_path, key_dir, port) as victim:
         hello = victim.hello
         stranger = Peer(context, f"tcp://{HOST}:{port}", curve=unknown_keys(key_dir), monitor=True)

@@ -156,14 +156,14 @@ def _read_until_closed(conn: socket.socket) -> bool:
 
 
 class FakeTrainer:
-    """A CURVE ROUTER (and PULL, XPUB) that welcomes one worker: enough of a pool to test it."""
+    """A CURVE ROUTER, PULL and beacon ROUTER that welcome one worker: enough of a pool."""
 
     def __init__(self, keys: Path) -> None:
         self.context = zmq.Context()
         self.server_keys = ServerKeys.from_dir(keys)
         self.router = self._bound(zmq.ROUTER)
         self.pull = self._bound(zmq.PULL)
-        self.xpub = self._bound(zmq.XPUB)
+        self.beacon = self._bound(zmq.ROUTER)  # where the worker asks for beats
         self.epoch = os.urandom(8)
         self.token = os.urandom(16)
         self.identity: bytes | None = None
@@ -220,8 +220,15 @@ class FakeTrainer:
             self.read_router(max(deadline - time.monotonic(), 0.0))
         return self.heartbeats - start
 
+    def asked(self, timeout: float) -> bytes:
+        """The identity of the worker's beats socket, from its first ask for a beat."""
+        assert self.beacon.poll(int(timeout * 1000)), "the worker never asked for a beat"
+        identity, ask = self.beacon.recv_multipart()
+        assert ask == Header(Command.HEARTBEAT).encode(), ask
+        return identity
+
     def close(self) -> None:
-        for sock in (self.router, self.pull, self.xpub):
+        for sock in (self.router, self.pull, self.beacon):
             sock.close()
         self.context.term()
 
@@ -249,10 +256,13 @@ def test_a_keyless_fake_trainer_cannot_make_the_workers_dealer_allocate(keys, tm
 def test_a_fake_beats_or_results_endpoint_cannot_make_the_worker_allocate(
     keys, tmp_path, socket_name
 ):
-    """The SUB (heartbeats) and the PUSH (results) are capped too: a 1 GiB frame drops."""
+    """The beats DEALER and the PUSH (results) are capped too: a 1 GiB frame drops."""
     trainer = FakeTrainer(keys)
     fake = listener()
-    endpoints = {"beats": trainer.endpoint(trainer.xpub), "results": trainer.endpoint(trainer.pull)}
+    endpoints = {
+        "beats": trainer.endpoint(trainer.beacon),
+        "results": trainer.endpoint(trainer.pull),
+    }
     endpoints[socket_name] = f"tcp://127.0.0.1:{port_of(fake)}"
     try:
         with worker_process(trainer.endpoint(trainer.router), keys, tmp_path / "w.log") as proc:
@@ -278,7 +288,7 @@ def welcomed_worker(
     trainer = FakeTrainer(keys)
     try:
         with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
+            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.beacon))
             assert trainer.count_heartbeats(beats, 10.0) == beats, log.read_text()
             assert trainer.identity is not None
             yield trainer, proc
@@ -345,25 +355,24 @@ def malformed_beats(epoch: bytes) -> list[list[bytes]]:
 
 
 def test_malformed_beats_are_counted_and_ignored_and_the_worker_serves_on(keys, tmp_path):
-    """Garbage on the SUB: the heartbeat thread lives, the worker answers, few log lines."""
+    """Garbage on the beats socket: the heartbeat thread lives, the worker serves, few log lines."""
     trainer = FakeTrainer(keys)
     log = tmp_path / "w.log"
     try:
         with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
-            # The XPUB hears the SUB subscribe: from then on it gets what is published.
-            assert trainer.xpub.poll(30_000), "the worker never subscribed to the beats"
-            assert trainer.xpub.recv() == b"\x01"
+            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.beacon))
+            # The worker asks for beats: from then on its beats socket gets what is sent to it.
+            asker = trainer.asked(30.0)
             assert trainer.count_heartbeats(2, 10.0) == 2, log.read_text()
             registers = trainer.registers
             rounds = 16
             ping = Header(Command.PING, body={"epoch": trainer.epoch}).encode()
             for _ in range(rounds):
                 for message in malformed_beats(trainer.epoch):
-                    trainer.xpub.send_multipart(message)
-                trainer.xpub.send(ping)  # the real beats go on among them
+                    trainer.beacon.send_multipart([asker, *message])
+                trainer.beacon.send_multipart([asker, ping])  # the real beats go on among them
             sent = rounds * len(malformed_beats(trainer.epoch))
-            # The heartbeat thread reads the SUB between beats: five more beats, it lived.
+            # The heartbeat thread reads the beats socket between beats: five more beats, it lived.
             beats = trainer.count_heartbeats(5, 10.0)
             assert beats == 5, f"{beats} heartbeats after the malformed beats\n{log.read_text()}"
             assert proc.poll() is None, log.read_text()
@@ -398,7 +407,7 @@ def test_what_is_sent_to_the_heartbeat_dealer_is_not_queued_in_the_worker(keys, 
     log = tmp_path / "w.log"
     try:
         with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.xpub))
+            trainer.welcome(trainer.endpoint(trainer.pull), trainer.endpoint(trainer.beacon))
             deadline, beat_identity = time.monotonic() + 30.0, None
             while beat_identity is None and trainer.router.poll(1000):
                 assert time.monotonic() < deadline, log.read_text()

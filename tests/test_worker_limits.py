@@ -68,13 +68,15 @@ class IpcTrainer(FakeTrainer):
 
     def __init__(self, keys: Path, directory: Path) -> None:
         self.directory = directory
+        self.bound = 0
         super().__init__(keys)
 
     def _bound(self, kind: int) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.linger = 0
         make_server(sock, self.server_keys)
-        sock.bind(f"ipc://{self.directory}/{kind}")
+        self.bound += 1  # a path each: two ROUTERs (commands, beats) bound on one would share it
+        sock.bind(f"ipc://{self.directory}/{self.bound}")
         return sock
 
 
@@ -182,7 +184,7 @@ def test_a_local_workers_ipc_sockets_get_limits_too(keys, tmp_path, short_dir):
     log = tmp_path / "w.log"
     try:
         with worker_process(trainer.endpoint(trainer.router), keys, log) as proc:
-            trainer.welcome(f"ipc://{evil_path}", trainer.endpoint(trainer.xpub))
+            trainer.welcome(f"ipc://{evil_path}", trainer.endpoint(trainer.beacon))
             evil.settimeout(10.0)
             conn, _ = evil.accept()
             growth, dropped = flood(conn, proc.pid)
@@ -207,7 +209,10 @@ def test_a_welcome_naming_another_transport_than_the_pools_is_refused(
     trainer = FakeTrainer(keys)
     evil_path = short_dir / "evil"
     evil = unix_listener(evil_path)
-    endpoints = {"results": trainer.endpoint(trainer.pull), "beats": trainer.endpoint(trainer.xpub)}
+    endpoints = {
+        "results": trainer.endpoint(trainer.pull),
+        "beats": trainer.endpoint(trainer.beacon),
+    }
     endpoints[socket_name] = f"ipc://{evil_path}"
     log = tmp_path / "w.log"
     try:

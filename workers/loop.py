@@ -13,11 +13,12 @@ reply, joined the same way (:mod:`workers.replies`); none waits for company.
 The loop only moves frames: what a command does to an env is
 :mod:`workers.hosting`'s business.
 
-A remote worker also listens to the pool's heartbeats (a SUB socket, in the
-heartbeat thread). When they stop, or come from a new pool (another epoch: a
-restarted trainer), it registers again, retrying with backoff: ZeroMQ
-reconnects the TCP connections by itself, so a restarted trainer at the same
-address picks its workers up again.
+A remote worker also asks the pool for heartbeats (a DEALER of the
+heartbeat thread, to the pool's beacon, :mod:`zmqpool.beacon`). When they
+stop, or come from a new pool (another epoch: a restarted trainer), it
+registers again, retrying with backoff: ZeroMQ reconnects the TCP
+connections by itself, so a restarted trainer at the same address picks its
+workers up again.
 
 Limits. A worker trusts no more bytes than its envs need: every socket
 it connects gets a ``MAXMSGSIZE`` and a short ``HANDSHAKE_IVL`` before it
@@ -29,7 +30,7 @@ word, in its WELCOME, which names them in the transport the worker reached
 the pool by or is refused: :func:`pool_endpoint`). The DEALER's limit is the
 one the pool holds this worker's replies to, derived from the same specs
 (:func:`command_frame_limit`), and its decoder refuses layouts above it; the
-SUB and the PUSH get :data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed
+beats DEALER and the PUSH get :data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed
 heartbeat is counted, logged (throttled) and ignored. A frame over a limit
 makes libzmq drop the connection, and after such a protocol error it never
 connects again by itself: each TCP socket's :class:`_DropWatch` does, so
@@ -49,8 +50,8 @@ most :data:`~zmqpool.limits.MAX_BATCH_BYTES` as the pool joins them, are
 checked against that before their copy).
 
 Threads and sockets: the main thread owns the DEALER, the heartbeat thread
-its own DEALER (and SUB), and the PUSH is shared under the reply queue's
-lock (the encoder under a lock of its own). Closing stops the threads
+its own two DEALERs (its heartbeats, and the pool's), and the PUSH is shared
+under the reply queue's lock (the encoder under a lock of its own). Closing stops the threads
 first (each closes its own sockets), then closes the main thread's, then
 ends the context: never ``Context.destroy()``, which closes
 every socket from one thread while the others may still use theirs.
@@ -163,6 +164,9 @@ CLOSE_JOIN_S = 1.0
 _RECONNECT_WAIT_S = 1.0
 #: How long a remote worker whose env maker failed waits to be connected, to say so.
 _FAILED_CONNECT_WAIT_MS = 2000
+#: Messages a heartbeat check reads from the pool's beacon at most (and libzmq
+#: queues for it): a beat comes per heartbeat interval, so more are a flood.
+_BEATS_PER_CHECK = 64
 
 #: How long a worker waits for its pool's WELCOME (sending REGISTER again with
 #: backoff) before it gives up: the default of :class:`Worker` and of ``python -m
@@ -1026,30 +1030,38 @@ class Worker:
 class _PoolWatch:
     """In the heartbeat thread: is our pool still beating, and is it still the same pool?
 
+    A remote worker asks the pool's beacon for a beat (a HEARTBEAT on its
+    beats socket, a DEALER) at each check, and reads the PINGs that came
+    since the last one (the beacon answers within a heartbeat interval).
     Only a one-frame PING whose body is a :class:`~zmqpool.protocol.Ping` is a
-    beat. Anything else on the SUB (bytes that are no header, another
+    beat. Anything else on the socket (bytes that are no header, another
     command, a bad body, more frames) proves nothing: it is counted in
     ``worker.malformed_beats``, logged at the 1st, 2nd, 4th, 8th... time, and
-    ignored, so the beats, the watch and the worker go on.
+    ignored, so the beats, the watch and the worker go on. At most
+    :data:`_BEATS_PER_CHECK` messages are read in a check: a peer posing as
+    the pool cannot keep the thread from its own heartbeats.
     """
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.sub: zmq.Socket | None = None
-        self.sub_watch: _DropWatch | None = None
+        self.sock: zmq.Socket | None = None
+        self.sock_watch: _DropWatch | None = None
         self.endpoint: str | None = None
         self.last_beat = time.monotonic()
+        self.ask = Header(Command.HEARTBEAT).encode()
 
     def check(self) -> None:
         worker = self.worker
         if worker.beats != self.endpoint:
-            self._subscribe(worker.beats)
-        if self.sub_watch is not None:
-            self.sub_watch.check()
-        if self.sub is None or worker.pool_lost.is_set():
+            self._connect(worker.beats)
+        if self.sock_watch is not None:
+            self.sock_watch.check()
+        if self.sock is None or worker.pool_lost.is_set():
             return
-        while self.sub.poll(0):
-            epoch = self._read_beat(self.sub)
+        for _ in range(_BEATS_PER_CHECK):
+            if not self.sock.poll(0):
+                break
+            epoch = self._read_beat(self.sock)
             if epoch is None:
                 continue
             if epoch != worker.epoch:
@@ -1060,10 +1072,13 @@ class _PoolWatch:
         # The pool's own timings (its WELCOME): lost after as many missed beats as it allows us.
         if welcome is not None and time.monotonic() - self.last_beat > welcome.pool_timeout_s:
             worker.pool_lost.set()
+            return
+        with contextlib.suppress(zmq.Again):  # a full queue: the pool is away, asked already
+            self.sock.send(self.ask, zmq.NOBLOCK)
 
-    def _read_beat(self, sub: zmq.Socket) -> bytes | None:
-        """The epoch of the PING queued on ``sub``, or ``None`` (counted) if it is none."""
-        frames = recv_frames(sub)  # every frame of the message: none is left for the next read
+    def _read_beat(self, sock: zmq.Socket) -> bytes | None:
+        """The epoch of the PING queued on ``sock``, or ``None`` (counted) if it is none."""
+        frames = recv_frames(sock)  # every frame of the message: none is left for the next read
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"a heartbeat is one frame, got {len(frames)}")
@@ -1079,25 +1094,27 @@ class _PoolWatch:
             )
             return None
 
-    def _subscribe(self, endpoint: str | None) -> None:
+    def _connect(self, endpoint: str | None) -> None:
         self.close()
         self.endpoint, self.last_beat = endpoint, time.monotonic()
         if endpoint is not None:
-            self.sub = self.worker._socket(zmq.SUB)
-            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.sock = self.worker._socket(zmq.DEALER)
+            # One ask waits while the pool is away; a few beats wait for the next check.
+            self.sock.setsockopt(zmq.SNDHWM, 1)
+            self.sock.setsockopt(zmq.RCVHWM, _BEATS_PER_CHECK)
             try:
-                self.sub_watch = self.worker._connect(self.sub, endpoint, MAX_BEAT_BYTES)
+                self.sock_watch = self.worker._connect(self.sock, endpoint, MAX_BEAT_BYTES)
             except zmq.ZMQError as err:  # the WELCOME's endpoint: the pool's to get right
-                log.error("cannot listen to the pool's heartbeats at %r: %s", endpoint, err)
+                log.error("cannot ask the pool for heartbeats at %r: %s", endpoint, err)
                 self.close()
 
     def close(self) -> None:
-        if self.sub_watch is not None:
-            self.sub_watch.close()
-            self.sub_watch = None
-        if self.sub is not None:
-            self.sub.close()
-            self.sub = None
+        if self.sock_watch is not None:
+            self.sock_watch.close()
+            self.sock_watch = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class _DropWatch:

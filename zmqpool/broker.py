@@ -12,7 +12,8 @@ Two sides, never sharing a socket:
   loopback TCP with ``local_transport="tcp"``), without CURVE, for the
   workers this pool spawned;
 - the **remote** side, with ``bind``: TCP with CURVE (unless ``insecure``),
-  ZAP enforced, for workers on other machines, and the :class:`Beacon`.
+  ZAP enforced, for workers on other machines, and the
+  :class:`~zmqpool.beacon.Beacon` that answers their heartbeats.
 
 Options that libzmq reads when an endpoint is bound (``MAXMSGSIZE``, CURVE,
 the handshake interval) are set on each socket before its bind, so one side
@@ -29,10 +30,10 @@ Who may send what is decided above it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 import zmq
 
 from zmqpool import interrupts
+from zmqpool.beacon import Beacon
 from zmqpool.config import PoolConfig
 from zmqpool.endpoints import Endpoints
 from zmqpool.layout import max_message_bytes
@@ -49,9 +51,8 @@ from zmqpool.limits import (
     REMOTE_CONTROL_QUEUE,
     REMOTE_RESULTS_QUEUE,
 )
-from zmqpool.protocol import Ping, recv_frames, send_frames
+from zmqpool.protocol import recv_frames, send_frames
 from zmqpool.security import ServerKeys, make_server, start_authenticator
-from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
 
@@ -63,8 +64,6 @@ _DRAIN_SECONDS = 0.01
 _HANDSHAKE_MS = 5000
 #: The ZAP domain of the remote side's sockets (enforced: no handler, no peer).
 _ZAP_DOMAIN = b"zmqpool"
-#: The beacon's PUB only ever reads subscriptions (one byte and a prefix).
-_BEACON_MAXMSGSIZE = 1024
 
 
 class Sink(Protocol):
@@ -160,7 +159,9 @@ class Broker:
         if keys is not None:
             self.auth = start_authenticator(self.context, keys, _ZAP_DOMAIN.decode())
         self.remote = self._side(tcp, keys, results_cap)
-        self.beacon = Beacon(self.context, tcp.beats, keys, self.epoch, self.config)
+        secure = None if keys is None else functools.partial(_enforce_curve, keys=keys)
+        interval_s = self.config.heartbeat_interval_s
+        self.beacon = Beacon(self.context, tcp.beats, secure, self.epoch, interval_s, _HANDSHAKE_MS)
         self.tcp = Endpoints(self.remote.router_ep, self.remote.results_ep, self.beacon.endpoint)
         log.info(
             "pool listening for remote workers on %s (results %s)",
@@ -308,48 +309,3 @@ class _Control:
 
     def __call__(self, frames: list[zmq.Frame], remote: bool) -> None:
         self.sink.on_control(frames[0].bytes, frames[1:], remote)
-
-
-class Beacon:
-    """The pool's heartbeat to remote workers, from its own thread and its own PUB socket.
-
-    A thread, so that a trainer busy for minutes between calls still looks
-    alive; each beat carries the pool's epoch, so workers of a restarted
-    trainer notice the new pool and register again.
-    """
-
-    def __init__(
-        self,
-        context: zmq.Context,
-        endpoint: str,
-        keys: ServerKeys | None,
-        epoch: bytes,
-        config: PoolConfig,
-    ) -> None:
-        self.sock = context.socket(zmq.PUB)
-        self.sock.linger = 0
-        self.sock.setsockopt(zmq.MAXMSGSIZE, _BEACON_MAXMSGSIZE)
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-        if keys is not None:
-            _enforce_curve(self.sock, keys)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.beat = Header(Command.PING, body=Ping(epoch).to_body()).encode()
-        self.interval_s = config.heartbeat_interval_s
-        self._stop = threading.Event()
-        # The socket moves to the thread now and is used by nobody else.
-        self.thread = threading.Thread(target=self._run, name="zmqpool-beacon", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.interval_s):
-                self.sock.send(self.beat, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the context is being destroyed: the pool is closing
-        finally:
-            self.sock.close(linger=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=2 * self.interval_s + 1)

@@ -27,7 +27,7 @@ class Endpoints:
 
     router: str  # commands out, registration and heartbeats in
     results: str  # results in (PULL)
-    beats: str = ""  # the pool's heartbeats out (PUB), TCP only
+    beats: str = ""  # the pool's heartbeats, asked for and answered (the beacon's ROUTER), TCP only
 
 
 def tcp_endpoints(bind: str) -> Endpoints:

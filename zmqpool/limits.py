@@ -61,7 +61,7 @@ MAX_LAYOUT_ID = 1 << 31
 #: The most bytes a frame's CURVE encryption adds to it (libzmq counts them
 #: against ``MAXMSGSIZE``; 33 measured, see :data:`MAX_CONTROL_BYTES`).
 CURVE_FRAME_OVERHEAD = 64
-#: ``MAXMSGSIZE`` of a worker's SUB (the pool's heartbeats) and of its sockets
+#: ``MAXMSGSIZE`` of a worker's beats DEALER (the pool's heartbeats) and of its sockets
 #: that receive no messages at all (its PUSH): a PING is a header of under 100
 #: bytes (an epoch of at most 64), and the handshake commands a CURVE server
 #: sends (WELCOME: 168 bytes; READY: its socket type and identity) fit too.

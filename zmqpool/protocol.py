@@ -31,7 +31,7 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         envs          list of int          the pool's indices of its envs, in the order
                       [0, 2**31), <= 1024  of the worker's own (sorted) indices
         results       str [1, 1024 chars]  the results endpoint to PUSH to
-        beats         nil | str <= 1024    the pool's PING endpoint (remote workers)
+        beats         nil | str <= 1024    where remote workers ask for PINGs
         epoch         bytes [1, 64]        this pool's identity; a new one: a new trainer
         heartbeat_interval_s  float (0, 3600]  how often the pool PINGs
         heartbeat_liveness    int [1, 10**6]   PINGs missed before the pool is lost
@@ -45,7 +45,8 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         kind          str                  a :class:`FailureKind` value: FAILED says
                                            "maker" or "register", ERROR "env" or "protocol"
 
-    PING       pool -> worker, PUB         {"epoch": bytes [1, 64]}    Ping
+    PING       pool -> worker, beats       {"epoch": bytes [1, 64]}    Ping
+               ROUTER, answering a HEARTBEAT the worker sent it
 
 HEARTBEAT and CLOSE carry no body. Text limits are in characters; at 4
 UTF-8 bytes a character at worst, a clipped FAILED stays under a quarter of

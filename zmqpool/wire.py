@@ -231,7 +231,9 @@ if TYPE_CHECKING:
 #: 8: SEED carries ``static`` and its reply the seed the env returned
 #: (``next_seed``): a version-7 worker would reply with nothing, and the pool
 #: seed the envs after it with None.
-PROTOCOL_VERSION = 8
+#: 9: a remote worker asks the pool's beacon for its PINGs (a HEARTBEAT from a
+#: DEALER to a ROUTER): a version-8 worker's SUB cannot connect to it.
+PROTOCOL_VERSION = 9
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
