@@ -435,6 +435,14 @@ class OffTheWireEnv(ZMQCountingEnv):
         return out
 
 
+def raising_maker(error: str = "ValueError") -> ZMQCountingEnv:
+    """An env maker that raises the builtin exception named ``error`` (``ImportError``:
+    an import of a module that is not there, as a maker of an optional dependency)."""
+    if error == "ModuleNotFoundError":
+        import zmqpool_has_no_such_module  # type: ignore[import-not-found]  # noqa: F401
+    raise getattr(builtins, error)("the env maker cannot build its env")
+
+
 class RaisingEnv(ZMQCountingEnv):
     """A CountingEnv whose steps raise the builtin exception named ``error`` (as an env's own)."""
 
@@ -444,6 +452,30 @@ class RaisingEnv(ZMQCountingEnv):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         raise getattr(builtins, self.error)(f"env {self.env_id} cannot step")
+
+
+class OffSpecDtypesEnv(ZMQCountingEnv):
+    """A CountingEnv replying off its specs' dtypes, as an env built on numpy may.
+
+    A float64 observation and an int64 reward and done flags, where its specs
+    say float32 and bool (``max_steps=3 + env_id``: the flags are not all 0,
+    and envs end at different steps).
+    """
+
+    def __init__(self, env_id: int = 0) -> None:
+        super().__init__(env_id=env_id, max_steps=3 + env_id)
+
+    def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
+        return _off_dtypes(super()._reset(tensordict, **kwargs))
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return _off_dtypes(super()._step(tensordict))
+
+
+def _off_dtypes(out: TensorDictBase) -> TensorDictBase:
+    for key, value in list(out.items()):
+        out[key] = value.double() if key == "observation" else value.long()
+    return out
 
 
 class GlobalRandomEnv(ZMQCountingEnv):

@@ -53,6 +53,7 @@ from torchrl.testing.mocking_classes import (
 from tests.conformance import (
     ENV_INDEX,
     ExtraKeyEnv,
+    OffSpecDtypesEnv,
     RaisingEnv,
     WideActionEnv,
     assert_same_error,
@@ -65,11 +66,13 @@ from tests.conformance import (
     env_index_values,
     expected_env_index,
     raised_by,
+    raising_maker,
 )
 from tests.conftest import awaited
 from zmqpool import (
     BatchSizeMismatchError,
     EnvError,
+    EnvMakerError,
     MissingKeyError,
     NothingInFlightError,
     PoolClosedError,
@@ -242,7 +245,18 @@ def test_torchrls_backend_argument_runs_unchanged():
         ZMQAsyncEnvPool(counting_makers(1), backend="processes", config=FAST)
 
 
-@pytest.mark.parametrize("error", ["ValueError", "KeyError", "AttributeError", "IndexError"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        "ValueError",
+        "KeyError",
+        "AttributeError",
+        "IndexError",
+        "ConnectionResetError",
+        "TimeoutError",
+        "StopIteration",
+    ],
+)
 def test_an_env_s_error_is_of_the_builtin_class_it_raised(error):
     # torchrl's pool re-raises the env's own exception: `except ValueError` around a
     # step catches it. Ours is an EnvError (naming the env, with the worker's
@@ -265,6 +279,20 @@ def test_an_env_s_error_is_of_the_builtin_class_it_raised(error):
     finally:
         oracle.close()
         zmq.close()
+
+
+@pytest.mark.parametrize("error", ["ValueError", "TypeError", "ModuleNotFoundError"])
+def test_an_env_makers_error_is_of_the_builtin_class_it_raised(error):
+    # torchrl's pool (and SerialEnv) raise the maker's own exception: `except ImportError`
+    # around a pool of an optional dependency catches it. Ours is an EnvMakerError (naming
+    # the env, with the worker's traceback) that is also an instance of that builtin.
+    makers = [counting_makers(1)[0], functools.partial(raising_maker, error)]
+    err = assert_same_error(
+        lambda: AsyncEnvPool(makers, backend="threading"),
+        lambda: ZMQAsyncEnvPool(makers, envs_per_worker=2, config=FAST),
+    )
+    assert isinstance(err, EnvMakerError) and err.env_index == 1, repr(err)
+    assert str(err).startswith(f"env 1: env maker raised {error}("), str(err)
 
 
 def test_results_carry_the_device_of_the_envs():
@@ -1468,6 +1496,63 @@ class TestHeterogeneousCountingEnv(SameCallsOnBoth):
             SerialEnv(2, cls.makers()),
             lambda: ZMQAsyncEnvPool(cls.makers(), stack="lazy", config=FAST),
         )
+
+
+class TestOffSpecDtypes(SameCallsOnBoth):
+    """OffSpecDtypesEnv: float64 observations, int64 rewards and done flags; specs say otherwise."""
+
+    serial_oracle = True
+
+    @staticmethod
+    def makers() -> list[Callable]:
+        return [functools.partial(OffSpecDtypesEnv, env_id=i) for i in range(2)]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pool_pair(cls):
+        # torchrl differs: its pool returns the env's float64 and int64 where its own
+        # specs say float32 and bool. SerialEnv copies each output into buffers made
+        # from the specs, so it returns what the specs say; so does zmqpool (its
+        # workers cast, where each reply was an EnvError before). SerialEnv is the oracle.
+        yield from serve(
+            SerialEnv(2, cls.makers()),
+            lambda: ZMQAsyncEnvPool(cls.makers(), config=FAST),
+        )
+
+    def test_check_env_specs(self, pair):
+        for p in pair.pools:
+            check_env_specs(p)
+
+    def test_per_env_channel(self, pair):
+        # Expected: env 1 built alone, reset, stepped with ones, its output cast to its specs.
+        env = self.makers()[1]()
+        reset = _as_specs(env, env.reset())
+        step = _as_specs(env, env.step(reset.clone().update(env.full_action_spec.one())))
+        env.close()
+        pair.zmq.async_reset_send(env_index=1)
+        r = pair.zmq.async_reset_recv(env_index=1, timeout=RECV_TIMEOUT)
+        assert_same_td(reset, r, "per-env reset of env 1", exclude=[ENV_INDEX])
+        pair.zmq.async_step_send(r.update(env.full_action_spec.one()), env_index=1)
+        s = pair.zmq.async_step_recv(env_index=1, timeout=RECV_TIMEOUT)
+        assert_same_td(step, s, "per-env step of env 1", exclude=[ENV_INDEX])
+
+    def test_the_dtypes_are_the_specs(self, pair):
+        for p in pair.pools:
+            out = p.rollout(5, break_when_any_done=False)
+            assert out["next", "observation"].dtype == torch.float32
+            assert out["next", "reward"].dtype == torch.float32
+            assert out["next", "done"].dtype == torch.bool and out["next", "done"].any()
+
+
+def _as_specs(env, td: TensorDictBase) -> TensorDictBase:
+    """``td`` with each leaf ``env``'s output specs declare cast to its dtype, "next" too."""
+    specs = env.full_observation_spec.clone().update(env.full_reward_spec)
+    specs.update(env.full_done_spec)
+    for key in specs.keys(True, True):
+        for where in (key, ("next", key)):
+            if where in td.keys(True, True):
+                td[where] = td[where].to(specs[key].dtype)
+    return td
 
 
 def mixed_makers() -> list[Callable]:

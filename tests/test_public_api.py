@@ -83,3 +83,32 @@ def test_every_public_error_survives_pickling():
         assert str(copy) == str(error) and copy.args == error.args
         for name in attributes:
             assert getattr(copy, name, None) == getattr(error, name, None), (cls, name)
+
+
+def test_errors_of_an_env_or_maker_are_their_builtin_and_survive_pickling():
+    """``except OSError`` (or any builtin listed) around a step or a construction catches
+    what an env or its maker raised, as torchrl's pool re-raises it; and pickles."""
+    import pickle
+
+    from zmqpool.errors import (
+        ENV_ERROR_BASES,
+        ENV_ERROR_CLASSES,
+        ENV_MAKER_ERROR_CLASSES,
+        builtin_base,
+    )
+
+    assert set(ENV_ERROR_CLASSES) == set(ENV_MAKER_ERROR_CLASSES) == set(ENV_ERROR_BASES)
+    for name, base in ENV_ERROR_BASES.items():
+        for cls, family in (
+            (ENV_ERROR_CLASSES[name], zmqpool.EnvError),
+            (ENV_MAKER_ERROR_CLASSES[name], zmqpool.EnvMakerError),
+        ):
+            error = cls(2, f"raised {name}", "Traceback...")
+            assert isinstance(error, base) and isinstance(error, family), cls
+            copy = pickle.loads(pickle.dumps(error))
+            assert type(copy) is cls and str(copy) == str(error), cls
+    # The most specific builtin in an error's MRO is the one named.
+    assert builtin_base(ConnectionResetError()) == "ConnectionResetError"
+    assert builtin_base(type("SimulatorDown", (ConnectionError,), {})()) == "ConnectionError"
+    assert builtin_base(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")) == "UnicodeError"
+    assert builtin_base(RuntimeError()) is None  # every EnvError is one already

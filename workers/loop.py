@@ -81,6 +81,7 @@ from workers.replies import ReplyQueue
 from workers.reports import oversized_registration
 from workers.threads import EnvRunners
 from zmqpool.codec import DecodedPart, Decoder, EncodedPart, Encoder, frame_buffer, layout_of
+from zmqpool.conformity import SpecDtypes
 from zmqpool.errors import (
     EnvMakerError,
     ProtocolError,
@@ -232,6 +233,8 @@ class Worker:
         self._push_watch: _DropWatch | None = None
         self.token = b""
         self.encoder = Encoder()
+        #: What each env's replies are cast to (by its index, as ``host.envs``).
+        self.spec_dtypes = {i: SpecDtypes(env.specs) for i, env in host.envs.items()}
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
         #: Messages on the SUB that were not a PING (counted, logged throttled, ignored).
         self.malformed_beats = 0
@@ -446,8 +449,9 @@ class Worker:
         if beats is not None:
             beats = pool_endpoint(beats, self.router, "beats")
         # The pool may place our envs at other indices (remote workers ask for slots).
-        hosted = [self.host.envs[i] for i in sorted(self.host.envs)]
-        self.host.envs = dict(zip(envs, hosted, strict=True))
+        hosted = sorted(self.host.envs)
+        self.host.envs = dict(zip(envs, [self.host.envs[i] for i in hosted], strict=True))
+        self.spec_dtypes = dict(zip(envs, [self.spec_dtypes[i] for i in hosted], strict=True))
         with self._replies.holding():  # env threads may be replying to the old pool
             self.token = welcome.token
             self._close_push()
@@ -889,9 +893,10 @@ class Worker:
         unanswered.
         """
         parts: list[EncodedPart] = []
+        dtypes = self.spec_dtypes.get(header.env)
         try:
             for part in out:
-                parts.append(self.encoder.encode(part))
+                parts.append(self.encoder.encode(part, dtypes))
                 self._check_frames(parts[-1])
             check_header_room(parts)
         except Exception as err:
@@ -963,7 +968,9 @@ class Worker:
 
     def report_maker_failure(self, err: EnvMakerError) -> None:
         # The pool names the env itself (EnvMakerError): the reason alone, not "env N: ...".
-        failed = Failed.clipped(err.reason, err.remote_traceback, FailureKind.MAKER)
+        cause = err.__cause__  # what the maker raised: its builtin class goes with it
+        base = builtin_base(cause) if cause is not None else None
+        failed = Failed.clipped(err.reason, err.remote_traceback, FailureKind.MAKER, base)
         self._send_failed(err.env_index, failed)
 
     def _send_failed(self, env: int, failed: Failed) -> None:

@@ -264,7 +264,9 @@ class Registrar:
             return
         # kind MAKER: the env maker raised; REGISTER: its REGISTER would not fit.
         self.roster.failed_to_start(record, failed.tb)
-        self.events.append(WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env))
+        self.events.append(
+            WorkerFailed(identity, failed.kind, failed.err, failed.tb, header.env, failed.base)
+        )
 
     def _on_remote_failed(self, key: str | None, failed: Failed) -> None:
         """Noted for the errors of envs waiting for a remote worker, and logged (rationed).

@@ -20,7 +20,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
@@ -118,8 +118,16 @@ class Encoder:
     def forget(self) -> None:
         self._announced.clear()
 
-    def encode(self, td: TensorDictBase | DecodedPart) -> EncodedPart:
-        """``td``'s frames; a :class:`DecodedPart` (a packed row) is already frames."""
+    def encode(
+        self, td: TensorDictBase | DecodedPart, dtypes: DeclaredDtypes | None = None
+    ) -> EncodedPart:
+        """``td``'s frames; a :class:`DecodedPart` (a packed row) is already frames.
+
+        ``dtypes``: what the env's specs declare. A leaf of another dtype is sent
+        cast to its spec's, as ``SerialEnv`` and ``ParallelEnv`` return it (they
+        copy each output into a buffer made from the specs); which leaves is
+        worked out once per layout (noted on it).
+        """
         if isinstance(td, DecodedPart):
             return self._encode_part(td)
         flat = flatten(td)
@@ -137,6 +145,12 @@ class Encoder:
         if flat.classes:  # tagged: never equal to a lazy stack's
             signature += (("c", tuple(flat.classes)),)
         layout_id, layout = self._layout_for(signature, flat, td.batch_size)
+        if dtypes is not None:
+            casts = layout.notes.get(dtypes.key)
+            if casts is None:
+                casts = layout.notes[dtypes.key] = () if flat.classes else dtypes.casts(layout)
+            if casts:  # an env off its specs' dtypes: rare, and not the cheapest path
+                return self.encode(_cast(td, casts))
         frames = _pack(layout, [t for _, t in tensors])
         values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
         announced = None if layout_id in self._announced else self._announce(layout_id, layout)
@@ -188,6 +202,25 @@ class Encoder:
         known = (len(self._ids), layout)
         self._ids[signature] = known
         return known
+
+
+class DeclaredDtypes(Protocol):
+    """The dtypes an env's specs declare for its output leaves (:mod:`zmqpool.conformity`)."""
+
+    #: the same for every env of the same declared dtypes: where a layout notes its casts
+    key: str
+
+    def casts(self, layout: Layout) -> tuple[tuple[Key, torch.dtype], ...]:
+        """The leaves of ``layout`` of another dtype than declared, with the declared one."""
+        ...
+
+
+def _cast(td: TensorDictBase, casts: Sequence[tuple[Key, torch.dtype]]) -> TensorDictBase:
+    """``td`` with the leaves named cast; the env's own tensordict is left as it is."""
+    td = td.clone(recurse=False)
+    for key, dtype in casts:
+        td.set(key, td.get(key).to(dtype))
+    return td
 
 
 class _Flat:

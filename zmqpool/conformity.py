@@ -118,6 +118,36 @@ def _is_stacked(spec: Any) -> bool:
     )
 
 
+class SpecDtypes:
+    """The dtypes an env's specs declare for its output leaves: what a worker casts to.
+
+    ``SerialEnv`` and ``ParallelEnv`` copy each output into buffers made from
+    the specs, so an env that returns float64 where its spec says float32
+    gives float32 there. A worker sends its env's leaves cast the same way
+    (:meth:`zmqpool.codec.Encoder.encode`), so such an env runs here too, where
+    :class:`ReplyCheck` would make each of its replies an error. torchrl's own
+    pool returns the float64 (README, drop-in).
+    """
+
+    def __init__(self, spec: Any) -> None:
+        leaves, _ = _declared(spec)
+        self.dtypes = {key: dtype for key, (_, dtype) in leaves.items() if dtype is not None}
+        declared = sorted((key, str(dtype)) for key, dtype in self.dtypes.items())
+        # Interned: the envs of one spec share one key object, found by identity.
+        self.key = sys.intern(f"declared dtypes {declared!r}")
+
+    def casts(self, layout: Layout) -> tuple[tuple[Key, torch.dtype], ...]:
+        """The leaves of ``layout`` of another dtype than declared, each with its spec's."""
+        if layout.lazy:
+            return ()
+        dtypes = self.dtypes
+        return tuple(
+            (leaf.key, dtypes[leaf.key])
+            for leaf in layout.leaves
+            if leaf.key in dtypes and leaf.dtype != dtypes[leaf.key]
+        )
+
+
 class ReplyCheck:
     """One env's check of the layouts its replies come in, each layout judged once.
 

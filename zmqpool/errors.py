@@ -21,6 +21,7 @@ argument::
     │   ├── EnvValueError (ValueError), EnvKeyError (KeyError)...
     │   │                                an env raised that builtin (ENV_ERROR_BASES)
     │   └── EnvMakerError                the env maker itself raised
+    │       └── EnvMakerValueError (ValueError), EnvMakerImportError (ImportError)...
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
     │   └── CrashLoopError               restarts exceeded the configured limit
     ├── PoolClosedError (RuntimeError)   a recv on a closed pool, or one forked from
@@ -121,22 +122,52 @@ class EnvError(ZMQPoolError, RuntimeError):
 
 #: The builtin exceptions an env's error is also an instance of, when the env raised
 #: one of them (or a subclass of one): ``except ValueError`` around a step of
-#: torchrl's pool, which re-raises the env's own exception, keeps working.
-#: Only builtins: nothing from a worker names a class to import.
+#: torchrl's pool, which re-raises the env's own exception, keeps working. The
+#: first in an error's MRO is taken, so a subclass listed (``ConnectionResetError``)
+#: wins over its base (``OSError``). Only builtins: nothing from a worker names a
+#: class to import, so an env's own exception class is caught as its builtin base.
+#: ``RuntimeError`` is not listed: every :class:`EnvError` is one already.
 ENV_ERROR_BASES: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         ValueError,
+        UnicodeError,
         TypeError,
         KeyError,
         IndexError,
         LookupError,
         AttributeError,
+        NameError,
         NotImplementedError,
+        RecursionError,
         AssertionError,
         ZeroDivisionError,
         OverflowError,
+        FloatingPointError,
         ArithmeticError,
+        StopIteration,
+        EOFError,
+        MemoryError,
+        BufferError,
+        ModuleNotFoundError,
+        ImportError,
+        # OSError and the subclasses its errno picks (a simulator behind a socket or a file).
+        ConnectionResetError,
+        ConnectionRefusedError,
+        ConnectionAbortedError,
+        BrokenPipeError,
+        ConnectionError,
+        TimeoutError,
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        ProcessLookupError,
+        ChildProcessError,
+        BlockingIOError,
+        InterruptedError,
+        OSError,
     )
 }
 
@@ -169,7 +200,35 @@ def env_error(env_index: int, message: str, remote_traceback: str, base: str | N
 
 
 class EnvMakerError(EnvError):
-    """The env maker raised while building an env in its worker."""
+    """The env maker raised while building an env in its worker.
+
+    When the maker raised a builtin (:data:`ENV_ERROR_BASES`), the error is also
+    an instance of it (``EnvMakerImportError``...), as torchrl's pool and
+    ``SerialEnv`` raise the maker's own: ``except ImportError`` around a pool
+    built on an optional dependency keeps working.
+    """
+
+
+def _env_maker_error_class(base: type[Exception]) -> type[EnvMakerError]:
+    cls = type(f"EnvMaker{base.__name__}", (EnvMakerError, base), {"__module__": __name__})
+    name = base.__name__
+    cls.__doc__ = f"An env maker raised a ``{name}``: an :class:`EnvMakerError` and a ``{name}``."
+    return cls
+
+
+#: ``EnvMakerValueError``, ``EnvMakerImportError``...: module attributes, so that they pickle.
+ENV_MAKER_ERROR_CLASSES: dict[str, type[EnvMakerError]] = {
+    name: _env_maker_error_class(base) for name, base in ENV_ERROR_BASES.items()
+}
+globals().update({cls.__name__: cls for cls in ENV_MAKER_ERROR_CLASSES.values()})
+
+
+def env_maker_error(
+    env_index: int, message: str, remote_traceback: str, base: str | None
+) -> EnvMakerError:
+    """The :class:`EnvMakerError` for a maker that raised; also a ``base`` (a builtin's name)."""
+    cls = ENV_MAKER_ERROR_CLASSES.get(base or "", EnvMakerError)
+    return cls(env_index, message, remote_traceback)
 
 
 class EnvLostError(ZMQPoolError, RuntimeError):

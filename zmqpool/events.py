@@ -30,6 +30,7 @@ class WorkerFailed:
     err: str
     tb: str = ""
     env: int = -1  # the env it names, if one
+    base: str | None = None  # the builtin its env maker raised (ENV_ERROR_BASES), if one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,13 +53,13 @@ from zmqpool.endpoints import (
 )
 from zmqpool.errors import (
     EnvError,
-    EnvMakerError,
     PoolClosedError,
     ProtocolError,
     RecvTimeoutError,
     RegistrationError,
     TooFewInFlightError,
     VersionMismatchError,
+    env_maker_error,
 )
 from zmqpool.events import Event, ProcessExited, WorkerFailed
 from zmqpool.gate import SHARED_SLICE_S, Gate
@@ -427,7 +427,7 @@ class Runtime:
                 f"this trainer ({event.err}); it imports zmqpool from its working directory or "
                 "sys.path: check both load the same install"
             )
-        raise EnvMakerError(event.env, event.err, event.tb)
+        raise env_maker_error(event.env, event.err, event.tb, event.base)
 
     def _take_events(self) -> list[Event]:
         events = list(self.events)

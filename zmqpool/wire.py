@@ -232,7 +232,9 @@ if TYPE_CHECKING:
 #: (``next_seed``): a version-7 worker would reply with nothing, and the pool
 #: seed the envs after it with None.
 #: 9: a remote worker asks the pool's beacon for its PINGs (a HEARTBEAT from a
-#: DEALER to a ROUTER): a version-8 worker's SUB cannot connect to it.
+#: DEALER to a ROUTER): a version-8 worker's SUB cannot connect to it. An ERROR
+#: or FAILED may name more builtins (``base``: OSError's family, ImportError...),
+#: which a version-8 pool refuses, and a maker's FAILED names the one it raised.
 PROTOCOL_VERSION = 9
 
 
