@@ -1031,6 +1031,20 @@ class TestDeadlines:
         assert_same_td(rest_o, rest_z, "the late env, at the next recv")
         assert took_z >= 0.8 * DEADLINE, f"returned after {took_z:.2f}s (torchrl {took_o:.2f}s)"
 
+    def test_a_nan_timeout_is_a_deadline_already_past(self, pair):
+        # NaN compares false with everything: ours waited as if it had no timeout (for env 2's
+        # 1.5 s here; for ever with an env that hangs). torchrl's raises TimeoutError at once.
+        def run(p):
+            self._send_steps(p, list(range(N)))
+            _, took = elapsed(
+                lambda: _raises(TimeoutError, p.async_step_recv, min_get=N, timeout=float("nan"))
+            )
+            return took, p.async_step_recv(min_get=N, timeout=RECV_TIMEOUT)
+
+        (took_o, all_o), (took_z, all_z) = pair.both(run)
+        assert took_z < 0.25, f"TimeoutError after {took_z:.2f}s (torchrl {took_o:.2f}s)"
+        assert_same_td(all_o, all_z, "every result after a NaN timeout")
+
     def test_deadline_batching_returns_at_max_get(self, pair):
         # With max_get reached (envs 1 and 0) the call returns without waiting for the deadline.
         def run(p):

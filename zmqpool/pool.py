@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -664,15 +665,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         timeout: float | None,
     ) -> list[Reply]:
         self._check_open()
+        # On an env's own channel too, where torchrl's pool ignores it.
+        timeout = _checked_timeout(timeout)
         if env_index is not None:
             env_index = self._indexer.one(env_index)
-            _check_timeout(timeout)  # torchrl's pool ignores it here: refused as on the batch's
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
             replies = self._runtime.collect(channel, 1, 1, timeout, self._raise_taken)
             return self._note_restarted(replies)
         min_get = self.min_get if min_get is None else min_get
-        self._check_recv_args(kind, min_get, max_get, timeout)
+        self._check_recv_args(kind, min_get, max_get)
         replies = self._runtime.collect((kind, None), min_get, max_get, timeout, self._raise_taken)
         replies = self._note_restarted(replies)
         self._busy.difference_update([r.env for r in replies])
@@ -693,12 +695,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             f"send one with env_index={channel[1]} first"
         )
 
-    def _check_recv_args(self, kind: Kind, min_get: int, max_get: int | None, timeout) -> None:
+    def _check_recv_args(self, kind: Kind, min_get: int, max_get: int | None) -> None:
         if min_get < 1:
             raise ValueError(f"min_get must be positive, got {min_get}.")
         if max_get is not None and max_get < min_get:
             raise ValueError(f"max_get ({max_get}) must be >= min_get ({min_get}).")
-        _check_timeout(timeout)
         if min_get > self._awaiting(kind):
             raise TooFewInFlightError(
                 f"Cannot await {min_get} {kind.value} when only "
@@ -875,10 +876,19 @@ def _is_empty(env_makers: Any) -> bool:
     return isinstance(env_makers, (list, tuple)) and not env_makers
 
 
-def _check_timeout(timeout: float | None) -> None:
-    """torchrl's check of a recv's ``timeout``, on the batch channel and on an env's own."""
+def _checked_timeout(timeout: float | None) -> float | None:
+    """A recv's ``timeout``, checked as torchrl checks it; NaN is a deadline already past.
+
+    NaN compares false with everything: taken as it is, every deadline check
+    said "not yet", and the recv waited as if it had no timeout. torchrl's
+    pool raises ``TimeoutError`` at once; here it polls (``timeout=0``), which
+    raises ``RecvTimeoutError``, a ``TimeoutError``, unless results are ready.
+    """
     if timeout is not None and timeout < 0:
         raise ValueError(f"timeout must be non-negative, got {timeout}.")
+    if timeout is not None and math.isnan(timeout):
+        return 0.0
+    return timeout
 
 
 def _envs_device(child_specs: Sequence[Any]) -> torch.device | None:
