@@ -25,7 +25,14 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 
 from tests.conftest import FAST, awaited
-from zmqpool import BatchSizeMismatchError, EnvError, MissingKeyError, ZMQAsyncEnvPool, validation
+from zmqpool import (
+    BatchSizeMismatchError,
+    EnvError,
+    InputError,
+    MissingKeyError,
+    ZMQAsyncEnvPool,
+    validation,
+)
 from zmqpool.partial import masked_envs
 from zmqpool.testing import CountingEnv
 from zmqpool.validation import (
@@ -129,7 +136,7 @@ def test_a_step_mask_that_can_never_work_is_refused(mask, error, match):
 
 def test_a_single_env_input_is_checked_without_the_env_dim():
     spec = pool_input_spec()
-    with pytest.raises(ValueError, match=r"expected shape \(1,\), got \(1, 1\)"):
+    with pytest.raises(InputError, match=r"expected shape \(1,\), got \(1, 1\)"):
         check_step_input(actions(1), 0, spec, NUM, strict=True)  # a batch where one env's td goes
     with pytest.raises(ValueError, match="no action 'action'"):
         check_step_input(TensorDict({}, []), 0, spec, NUM)
@@ -453,12 +460,12 @@ def test_an_action_of_another_dtype_or_shape_reaches_the_env_as_given(pool, fres
 def test_a_strict_pool_refuses_spec_mismatches_at_the_send(strict_pool, td, match):
     strict_pool.reset()
     refused_before_sending(
-        strict_pool, lambda: strict_pool.async_step_send(td, env_index=[0, 1]), ValueError, match
+        strict_pool, lambda: strict_pool.async_step_send(td, env_index=[0, 1]), InputError, match
     )
     refused_before_sending(
         strict_pool,
         lambda: strict_pool.async_step_and_maybe_reset_send(td.clone(), env_index=[0, 1]),
-        ValueError,
+        InputError,
         match,
     )
 
@@ -467,7 +474,7 @@ def test_a_strict_pool_step_refuses_bad_actions(strict_pool):
     td = strict_pool.reset()
     td["action"] = torch.zeros(NUM, 1, dtype=torch.float64)
     refused_before_sending(
-        strict_pool, lambda: strict_pool.step(td), ValueError, "expected dtype torch.float32"
+        strict_pool, lambda: strict_pool.step(td), InputError, "expected dtype torch.float32"
     )
 
 
@@ -477,7 +484,7 @@ def test_a_strict_pool_refuses_a_bad_action_on_an_env_channel(strict_pool):
     refused_before_sending(
         strict_pool,
         lambda: strict_pool.async_step_send(bad, env_index=1),
-        ValueError,
+        InputError,
         r"expected shape \(1,\), got \(2,\)",
         env_index=[1],
         channel=1,

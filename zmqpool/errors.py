@@ -13,6 +13,7 @@ argument::
     ├── ProtocolError (ValueError)       a frame or header that breaks the wire contract
     │   └── VersionMismatchError         a peer speaking another protocol version
     ├── InputError (ValueError)          a send's input that can never work, refused at the send
+    │                                    (and, with strict_inputs, one off its spec)
     │   ├── MissingKeyError (KeyError)   an entry the envs need is missing (the action)
     │   └── BatchSizeMismatchError (RuntimeError)
     │                                    rows that do not match env_index

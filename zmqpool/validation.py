@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from zmqpool.errors import BatchSizeMismatchError, MissingKeyError
+from zmqpool.errors import BatchSizeMismatchError, InputError, MissingKeyError
 
 __all__ = [
     "StepInputSpec",
@@ -357,12 +357,12 @@ def _values_across(
 
 def _check_value(value: Any, want: tuple[int, ...], expected: Expected) -> None:
     if not isinstance(value, torch.Tensor):
-        raise ValueError(
+        raise InputError(
             f"{expected.role} {expected.key!r}: expected a {expected.dtype} tensor, "
             f"got {type(value).__name__}"
         )
     if value.dtype != expected.dtype:
-        raise ValueError(
+        raise InputError(
             f"{expected.role} {expected.key!r}: expected dtype {expected.dtype}, "
             f"got {value.dtype} (shape {tuple(value.shape)})"
         )
@@ -374,7 +374,7 @@ def _check_shape(shape: torch.Size, want: tuple[int, ...], expected: Expected) -
         return
     fits = len(shape) == len(want) and all(w in (-1, s) for s, w in zip(shape, want, strict=True))
     if not fits:
-        raise ValueError(
+        raise InputError(
             f"{expected.role} {expected.key!r}: expected shape {want}, got {tuple(shape)}"
             + (" (-1: any size)" if -1 in want else "")
         )
