@@ -19,10 +19,11 @@ is left, the supervisor exits non-zero (2 if a child was refused, else 1), with
 a one-line error saying why each gave up. A child whose pool closed it (the
 trainer's ``pool.close()``: exit code 0, and it noted the CLOSE) is no
 failure (one that exits 0 otherwise, an env maker calling ``sys.exit(0)``, is a
-death, backed off): it is started again, without backoff, to wait for the next pool, and
-said at INFO level, not as a warning. SIGTERM or SIGINT (how Kubernetes,
-SLURM or Ctrl-C stop a job) stops it at once: it sends its children SIGTERM,
-SIGKILLs those still alive after a grace period, and exits 0.
+death, backed off): it is started again after 0.05 s, never backed off
+further, to wait for the next pool, and said at INFO level, not as a warning.
+SIGTERM or SIGINT (how Kubernetes, SLURM or Ctrl-C stop a job) stops it at
+once: it sends its children SIGTERM, SIGKILLs those still alive after a grace
+period, and exits 0.
 """
 
 from __future__ import annotations
