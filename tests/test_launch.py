@@ -59,6 +59,40 @@ def test_a_users_own_workers_package_beside_the_trainer_is_not_ours(tmp_path, st
     assert "the user workers package ran" not in done.stderr
 
 
+PRINTING = textwrap.dedent(
+    """
+    import sys
+    from zmqpool import PoolConfig, ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+
+    class Printing(CountingEnv):
+        def _step(self, tensordict):
+            print(f"env {self.env_id} stepped", flush=True)
+            return super()._step(tensordict)
+
+    config = PoolConfig(fork_server=sys.argv[1] == "fork")
+    pool = ZMQAsyncEnvPool([lambda: Printing(env_id=0), lambda: Printing(env_id=1)], config=config)
+    pool.rand_step(pool.reset())
+    pool.close()
+    print("trainer done", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("start", ["fork", "fresh"])
+def test_an_envs_print_goes_to_the_trainers_stdout_as_in_process(tmp_path, start):
+    # SerialEnv's envs print to the trainer's stdout; workers forked by the fork server
+    # printed to its stderr (the zygote's stdout carried its reports), fresh ones to stdout.
+    script = tmp_path / "train.py"
+    script.write_text(PRINTING)
+    done = subprocess.run(
+        [sys.executable, str(script), start], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["env 0 stepped", "env 1 stepped", "trainer done"]
+    assert "stepped" not in done.stderr
+
+
 def test_a_local_worker_of_another_version_fails_construction(monkeypatch):
     # This trainer now reads only version 99; its workers (fresh processes) speak ours.
     monkeypatch.setattr(wire, "PROTOCOL_VERSION", 99)

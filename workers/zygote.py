@@ -2,7 +2,7 @@
 
 A fresh interpreter needs seconds to import torchrl; a restart that waits for
 that keeps an env out of the run for as long. The trainer starts this process
-once for its pools (``python -m workers.zygote PARENT_PID``, shared as
+once for its pools (``python -m workers.zygote PARENT_PID REPORT_FD``, shared as
 ``zmqpool.forkservers`` says); it imports the heavy modules, starts no
 thread and no ZeroMQ context (so forking is safe), and forks one child per
 request. It is local and trusted, like a worker's stdin.
@@ -15,11 +15,15 @@ Pipes, all binary:
   working directory at the request: the pools of a process share one zygote,
   started with the first).
   End of file: exit.
-- stdout (zygote -> pool): 12-byte reports ``!iii`` = (kind, pid, status):
+- REPORT_FD (zygote -> pool), a pipe passed to it: 12-byte reports ``!iii`` = (kind, pid, status):
   ``READY`` once the imports are done, ``SPAWNED`` after each fork,
   ``EXITED`` with the exit code (negative: the signal) when a child dies,
   since only the zygote, its parent, can reap it. At end of file on stdin it
   reaps what has died and exits, so the pool reads every report to its end.
+
+Its stdout and stderr are the trainer's, and so are its children's: an env's
+``print()`` goes to the trainer's stdout, as under ``SerialEnv`` (the reports
+had the zygote's stdout once, and every worker's stdout went to stderr).
 
 Its children die with it (``PR_SET_PDEATHSIG``, set by each worker for its
 parent): a worker orphaned by a killed zygote would have nobody to report its
@@ -111,9 +115,7 @@ def main() -> None:
     from workers.supervise import die_with_parent
 
     die_with_parent(int(sys.argv[1]))
-    report_fd = os.dup(1)
-    os.dup2(2, 1)  # nothing else may write into the report pipe
-    serve(report_fd)
+    serve(int(sys.argv[2]))
     os._exit(0)  # the pool closed our stdin; skip torch's slow teardown
 
 

@@ -414,13 +414,21 @@ class ForkServer:
     """
 
     def __init__(self, on_death: Callable[[ForkServer], None] | None = None) -> None:
-        self.proc = _popen(
-            [*module_argv("workers.zygote"), str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-            env=_child_env(),
-        )
+        # Its reports come on a pipe of their own: its stdout is the trainer's, for envs' prints.
+        self._reports, write_end = os.pipe()
+        try:
+            self.proc = _popen(
+                [*module_argv("workers.zygote"), str(os.getpid()), str(write_end)],
+                stdin=subprocess.PIPE,
+                pass_fds=(write_end,),
+                close_fds=True,
+                env=_child_env(),
+            )
+        except BaseException:
+            os.close(self._reports)
+            raise
+        finally:
+            os.close(write_end)  # the zygote's now: its end of file is the zygote's death
         self.on_death = on_death
         self.started_at = time.monotonic()
         self.statuses: dict[int, int] = {}
@@ -539,8 +547,7 @@ class ForkServer:
     def _read_reports_unlocked(self, timeout_s: float) -> None:
         if self.closed or self._eof:
             return
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
+        fd = self._reports
         ready, _, _ = select.select([fd], [], [], max(timeout_s, 0.0))
         if not ready:
             return
@@ -593,8 +600,7 @@ class ForkServer:
             self.proc.kill()
         self.proc.wait()
         with contextlib.suppress(OSError):
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
+            os.close(self._reports)
 
 
 def _with_parent(argv: list[str], parent_pid: int) -> list[str]:
