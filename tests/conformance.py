@@ -472,6 +472,13 @@ class OffSpecDtypesEnv(ZMQCountingEnv):
         return _off_dtypes(super()._step(tensordict))
 
 
+class DefaultDtypeEnv(ZMQCountingEnv):
+    """A CountingEnv whose observation is of torch's default dtype where it is built."""
+
+    def __init__(self, env_id: int = 0) -> None:
+        super().__init__(env_id=env_id, obs_dtype=torch.get_default_dtype())
+
+
 def _off_dtypes(out: TensorDictBase) -> TensorDictBase:
     for key, value in list(out.items()):
         out[key] = value.double() if key == "observation" else value.long()

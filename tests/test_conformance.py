@@ -52,6 +52,7 @@ from torchrl.testing.mocking_classes import (
 
 from tests.conformance import (
     ENV_INDEX,
+    DefaultDtypeEnv,
     ExtraKeyEnv,
     OffSpecDtypesEnv,
     RaisingEnv,
@@ -293,6 +294,30 @@ def test_an_env_makers_error_is_of_the_builtin_class_it_raised(error):
     )
     assert isinstance(err, EnvMakerError) and err.env_index == 1, repr(err)
     assert str(err).startswith(f"env 1: env maker raised {error}("), str(err)
+
+
+def test_envs_are_built_with_the_trainers_default_dtype_as_in_process():
+    # torch.set_default_dtype(torch.float64) in the trainer: SerialEnv's envs, built
+    # in-process, make float64 specs and observations. Our workers, forked from a fork
+    # server, did not inherit it: float32, silently. Each local worker is told the dtype.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    pools = []
+    try:
+        makers = [functools.partial(DefaultDtypeEnv, env_id=i) for i in range(2)]
+        pools = [SerialEnv(2, makers), ZMQAsyncEnvPool(makers, config=FAST)]
+        results = []
+        for p in pools:
+            reset = p.reset()
+            results.append((reset, p.step(with_ones(p, reset)), p.observation_spec))
+    finally:
+        torch.set_default_dtype(previous)
+        for p in pools:
+            p.close()
+    (reset_s, step_s, spec_s), (reset_z, step_z, spec_z) = results
+    assert spec_s["observation"].dtype == spec_z["observation"].dtype == torch.float64
+    assert_same_td(reset_s, reset_z, "reset", exclude=[ENV_INDEX])
+    assert_same_td(step_s, step_z, "step", exclude=[ENV_INDEX])
 
 
 def test_results_carry_the_device_of_the_envs():

@@ -21,6 +21,7 @@ import secrets
 import sys
 
 from workers.hosting import (
+    DEFAULT_DTYPES,
     WORKER_THREADS_VAR,
     EnvHost,
     EnvRecipe,
@@ -130,6 +131,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         type=_threads,
         help="torch intra-op threads in this worker (0: torch's default, one per core; "
         f"default: ${WORKER_THREADS_VAR}, else 1)",
+    )
+    parser.add_argument(
+        "--default-dtype",
+        choices=DEFAULT_DTYPES,
+        help="torch.set_default_dtype before the envs are built (a local pool passes the "
+        "trainer's when it is not float32; default: torch's, float32)",
     )
     parser.add_argument(
         "--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="default WARNING"
@@ -307,7 +314,7 @@ def serve(
 
     # The envs first: their specs bound what the worker's sockets accept, set before they connect.
     try:
-        host = EnvHost.build(indices, recipes, args.torch_threads)
+        host = EnvHost.build(indices, recipes, args.torch_threads, args.default_dtype)
     except EnvMakerError as err:
         note_failure(err.reason, maker=True)
         failed = connect(EnvHost({}))

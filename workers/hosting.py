@@ -367,13 +367,20 @@ class EnvHost:
 
     @classmethod
     def build(
-        cls, indices: Sequence[int], recipes: Sequence[EnvRecipe], torch_threads: int | None = None
+        cls,
+        indices: Sequence[int],
+        recipes: Sequence[EnvRecipe],
+        torch_threads: int | None = None,
+        default_dtype: str | None = None,
     ) -> EnvHost:
         """Build every env; an env maker that raises becomes an :class:`EnvMakerError`.
 
-        ``torch_threads``: see :func:`limit_torch_threads` (set before any env is built).
+        ``torch_threads``: see :func:`limit_torch_threads`; ``default_dtype``: torch's
+        (one of ``DEFAULT_DTYPES``; None: float32). Both are set before any env is built.
         """
         limit_torch_threads(torch_threads)
+        if default_dtype is not None:
+            torch.set_default_dtype(getattr(torch, default_dtype))
         fresh_random_state()
         envs = {}
         for index, recipe in zip(indices, recipes, strict=True):
@@ -403,6 +410,10 @@ class EnvHost:
 
 #: Environment variable: torch threads per worker process (0: torch's default).
 WORKER_THREADS_VAR = "ZMQPOOL_WORKER_THREADS"
+
+
+#: What ``torch.set_default_dtype`` takes: a worker's ``--default-dtype`` choices.
+DEFAULT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def limit_torch_threads(threads: int | None = None) -> None:

@@ -335,12 +335,15 @@ def worker_argv(
     env_threads: bool = False,
     torch_threads: int | None = None,
     inline_cheap: bool = True,
+    default_dtype: str = "float32",
 ) -> list[str]:
     threads = ["--env-threads"] if env_threads and len(indices) > 1 else []
     if threads and not inline_cheap:
         threads.append("--no-inline-cheap")
     if torch_threads is not None:
         threads += ["--torch-threads", str(torch_threads)]
+    if default_dtype != "float32":  # the trainer's torch.set_default_dtype
+        threads += ["--default-dtype", default_dtype]
     return [
         *module_argv("workers"),
         "--connect",

@@ -201,6 +201,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if remote_spec is not None and not remote_envs:
             raise ValueError("remote_spec is the spec of remote slots: it needs remote_envs > 0")
         self.remote_spec = remote_spec
+        # The envs' default dtype, as in-process: a worker process does not inherit it.
+        self._default_dtype = str(torch.get_default_dtype()).removeprefix("torch.")
         env_makers, create_env_kwargs = with_remote_slots(
             env_makers, create_env_kwargs, remote_envs
         )
@@ -276,6 +278,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             local_transport=self.local_transport,
             remote_spec=self.remote_spec,
             launchers=tuple(self.remote_workers),
+            default_dtype=self._default_dtype,
         )
 
     @property

@@ -191,6 +191,7 @@ class PoolPlan:
     local_transport: str = "ipc"
     remote_spec: Any = None  # the specs remote workers must bring (None: the local envs')
     launchers: Sequence[RemoteLauncher] = ()  # remote workers the pool starts, first slots
+    default_dtype: str = "float32"  # torch's in local workers: the trainer's at construction
 
     @property
     def num_envs(self) -> int:
@@ -345,6 +346,7 @@ class Runtime:
             self.config.env_threads,
             self.config.worker_torch_threads,
             self.config.inline_cheap_envs,
+            self.plan.default_dtype,
         )
         masks = self.plan.worker_affinity
         affinity = None if masks is None else masks[record.local_index]
