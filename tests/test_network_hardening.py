@@ -191,6 +191,8 @@ def test_an_authorized_peer_flooding_the_beats_port_does_not_grow_the_pools_memo
         flood.connect(beats)
         try:
             first = _asks_answered(honest, ask, _ping_epoch, 1, 10.0)
+            honest.sock.send_multipart([ask, b"and a frame more"])  # no ask: never answered
+            unasked = honest.reply(1.5)
             prefix = b"\x01" if attack == "subscriptions" else b""
             for _ in range(5000):
                 flood.send(prefix + os.urandom(900))
@@ -204,6 +206,7 @@ def test_an_authorized_peer_flooding_the_beats_port_does_not_grow_the_pools_memo
         finally:
             flood.close(linger=0)
             honest.close()
+    assert unasked is None, "a message of an ask and one frame more was answered as an ask"
     assert first == 1 and honest_beats == 3, (
         f"the honest worker's asks answered: {first} of 1 before the flood, "
         f"{honest_beats} of 3 during it"

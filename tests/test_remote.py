@@ -558,7 +558,15 @@ TRAINER = textwrap.dedent(
 )
 
 
-def test_a_restarted_trainer_picks_its_waiting_workers_up_again(remote_host, key_dir, tmp_path):
+@pytest.mark.parametrize("gap_s", [0.0, 0.8])
+def test_a_restarted_trainer_picks_its_waiting_workers_up_again(
+    remote_host, key_dir, tmp_path, gap_s
+):
+    """The new trainer starts at once, or 0.8 s after the old one's death: just within the
+    1 s its workers wait for a beat (0.2 s x 5). Then the worker noticed the new pool, and
+    registered, before its timeout; judged after the WELCOME from the old pool's last
+    beat, it was lost again at once, and again after each WELCOME: every step of 3 s was
+    a restart truncation (session 54's review). Once registered, it stays."""
     port = free_port_base(remote_host.pool_ip)
     bind = f"tcp://{remote_host.pool_ip}:{port}"
     worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
@@ -571,14 +579,22 @@ def test_a_restarted_trainer_picks_its_waiting_workers_up_again(remote_host, key
         assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
         trainer.kill()  # the trainer dies without closing anything
         trainer.wait(timeout=10)
+        time.sleep(gap_s)
         restarted_at = time.monotonic()
         pool = remote_pool(remote_host, port, key_dir)  # a new trainer on the same address
         rejoin_s = time.monotonic() - restarted_at
-        step(pool, [0])
-        out = pool.async_step_recv(min_get=1, timeout=60)
+        truncated, steps, until = 0, 0, time.monotonic() + 3.0
+        while time.monotonic() < until:
+            step(pool, [0])
+            out = pool.async_step_recv(min_get=1, timeout=60)
+            truncated += bool(pool.last_restarted_envs)
+            steps += 1
         assert out["next", "observation"][0, 0] == 0  # the same remote env, stepping again
+        restarts = pool.env_stats()[0]["restarts"]
         pool.close()
         print(f"\ntrainer restart -> remote worker registered again: {rejoin_s:.2f} s")
+        assert truncated == restarts == 0, f"{truncated} of {steps} steps truncated"
+        assert steps > 10, steps
     finally:
         trainer.kill()
         stop(worker)

@@ -1056,11 +1056,14 @@ class _PoolWatch:
         self.endpoint: str | None = None
         self.last_beat = time.monotonic()
         self.ask = Header(Command.HEARTBEAT).encode()
+        self.welcome: Welcome | None = None  # the registration the beats are judged for
 
     def check(self) -> None:
         worker = self.worker
         if worker.beats != self.endpoint:
             self._connect(worker.beats)
+        if worker.welcome is not self.welcome:
+            self._new_registration(worker.welcome)
         if self.sock_watch is not None:
             self.sock_watch.check()
         if self.sock is None or worker.pool_lost.is_set():
@@ -1082,6 +1085,20 @@ class _PoolWatch:
             return
         with contextlib.suppress(zmq.Again):  # a full queue: the pool is away, asked already
             self.sock.send(self.ask, zmq.NOBLOCK)
+
+    def _new_registration(self, welcome: Welcome | None) -> None:
+        """A new WELCOME: a new grace period, and nothing queued for the last pool counts.
+
+        A beat comes only when asked for, and no ask is sent while the pool is
+        lost: judged from the old pool's last beat, a worker that registered
+        again a little before the timeout was lost again at once, and again
+        after each WELCOME (session 54's review).
+        """
+        self.welcome, self.last_beat = welcome, time.monotonic()
+        for _ in range(_BEATS_PER_CHECK):
+            if self.sock is None or not self.sock.poll(0):
+                return
+            recv_frames(self.sock)  # answers to asks made for the last registration
 
     def _read_beat(self, sock: zmq.Socket) -> bytes | None:
         """The epoch of the PING queued on ``sock``, or ``None`` (counted) if it is none."""

@@ -15,12 +15,17 @@ sent: 17 MB of subscriptions from an authorized key grew the trainer by
 830 MB), and an XPUB with manual subscriptions keeps them all the same. A
 ROUTER keeps nothing a peer sends beyond its queue: at most
 :data:`_QUEUE` messages of at most :data:`_MAX_FRAME` bytes per connection,
-read and let go. What answering costs the trainer is bounded too: at most
+read and let go (but for a message of many frames, which libzmq holds whole
+before it can be read, as on the pool's other ports: README, Known limits).
+What answering costs the trainer is bounded too: at most
 :data:`_READS_PER_TICK` messages are read in each heartbeat interval, and a
 peer is answered once in an interval however often it asks (an ask already
 answered in this one is answered as the next begins: a worker that asks more
 often than the pool beats gets a beat each interval, as from a PUB). Peers are
-fair-queued, so a flooding one does not starve the others of their turn.
+fair-queued, so a flooding connection does not starve the others of their
+turn; thousands of flooding connections (one key may open as many as the
+trainer has file descriptors) share the budget with the honest ones, and an
+honest ask then waits about one interval per 4,096 of them.
 """
 
 from __future__ import annotations
@@ -82,10 +87,18 @@ class Beacon:
         self.interval_s = interval_s
         # stop() writes a byte here: the thread's poll wakes at once, not at its next tick.
         self._wake_read, self._wake_write = os.pipe()
+        self._stopping = threading.Lock()
         self._stopped = False
+        self._owner = os.getpid()  # a forked child's stop() must not stop the parent's thread
         # The socket moves to the thread now and is used by nobody else.
         self.thread = threading.Thread(target=self._run, name="zmqpool-beacon", daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:  # no thread to close them
+            self.sock.close(linger=0)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            raise
 
     def _run(self) -> None:
         answering = zmq.Poller()
@@ -115,7 +128,8 @@ class Beacon:
         """Read what is queued (within the tick's budget); PING each peer that asked."""
         while tick.reads < _READS_PER_TICK:
             try:
-                frames = recv_frames(self.sock, max_frames=2)  # the identity and the ask
+                # The identity and the ask; a third frame is read to tell, not kept.
+                frames = recv_frames(self.sock, max_frames=3)
             except zmq.Again:
                 return
             tick.reads += 1
@@ -137,14 +151,15 @@ class Beacon:
             self.sock.send_multipart([identity, self.beat], zmq.NOBLOCK)
 
     def stop(self) -> None:
-        """End the thread (which closes the socket); bounded."""
-        if self._stopped:
-            return
-        self._stopped = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_write, b"x")
-        self.thread.join(timeout=2.0)
-        os.close(self._wake_write)
+        """End the thread (which closes the socket); bounded. Once, and only in its process."""
+        with self._stopping:
+            if self._stopped or os.getpid() != self._owner:
+                return
+            self._stopped = True
+            with contextlib.suppress(OSError):
+                os.write(self._wake_write, b"x")
+            self.thread.join(timeout=2.0)
+            os.close(self._wake_write)
 
 
 class _Tick:
