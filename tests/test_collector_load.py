@@ -50,11 +50,13 @@ def test_requests_in_flight_keep_few_objects_for_the_collector():
     )
     try:
         pool.reset()
-        grown = [_objects_kept_by_a_send(pool) for _ in range(3)]
+        grown = [_objects_kept_by_a_send(pool) for _ in range(5)]
     finally:
         pool.close()
-    # The first round also makes what every later round reuses (layouts, stats).
-    assert max(grown[1:]) <= PER_REQUEST * NUM_ENVS, grown
+    # The first round also makes what every later round reuses (layouts, stats). The
+    # least of the others: what a send keeps shows in every round, while pytest-xdist's
+    # own thread may make a few objects during any one (a round of 17 among 11s, once).
+    assert min(grown[1:]) <= PER_REQUEST * NUM_ENVS, grown
 
 
 def _objects_kept_by_a_send(pool: ZMQAsyncEnvPool) -> int:
