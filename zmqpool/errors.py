@@ -36,6 +36,8 @@ argument::
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class ZMQPoolError(Exception):
     """Base class of every error zmqpool raises on purpose.
@@ -173,17 +175,26 @@ ENV_ERROR_BASES: dict[str, type[Exception]] = {
 }
 
 
-def _env_error_class(base: type[Exception]) -> type[EnvError]:
-    cls = type(f"Env{base.__name__}", (EnvError, base), {"__module__": __name__})
-    name = base.__name__
-    cls.__doc__ = f"An env raised a ``{name}``: an :class:`EnvError` and a ``{name}``."
-    return cls
+_Family = TypeVar("_Family", bound="EnvError")
 
 
-#: ``EnvValueError``, ``EnvKeyError``...: module attributes, so that they pickle.
-ENV_ERROR_CLASSES: dict[str, type[EnvError]] = {
-    name: _env_error_class(base) for name, base in ENV_ERROR_BASES.items()
-}
+def _with_builtins(family: type[_Family], who: str) -> dict[str, type[_Family]]:
+    """``family`` and each builtin of :data:`ENV_ERROR_BASES`, by the builtin's name.
+
+    ``EnvError`` gives ``EnvValueError``..., ``EnvMakerError`` ``EnvMakerValueError``...:
+    module attributes (set by the caller), so that they pickle.
+    """
+    prefix = family.__name__.removesuffix("Error")
+    classes = {}
+    for name, base in ENV_ERROR_BASES.items():
+        cls = type(f"{prefix}{name}", (family, base), {"__module__": __name__})
+        family_name = family.__name__
+        cls.__doc__ = f"{who} raised a ``{name}``: an :class:`{family_name}` and a ``{name}``."
+        classes[name] = cls
+    return classes
+
+
+ENV_ERROR_CLASSES: dict[str, type[EnvError]] = _with_builtins(EnvError, "An env")
 globals().update({cls.__name__: cls for cls in ENV_ERROR_CLASSES.values()})
 
 
@@ -210,17 +221,9 @@ class EnvMakerError(EnvError):
     """
 
 
-def _env_maker_error_class(base: type[Exception]) -> type[EnvMakerError]:
-    cls = type(f"EnvMaker{base.__name__}", (EnvMakerError, base), {"__module__": __name__})
-    name = base.__name__
-    cls.__doc__ = f"An env maker raised a ``{name}``: an :class:`EnvMakerError` and a ``{name}``."
-    return cls
-
-
-#: ``EnvMakerValueError``, ``EnvMakerImportError``...: module attributes, so that they pickle.
-ENV_MAKER_ERROR_CLASSES: dict[str, type[EnvMakerError]] = {
-    name: _env_maker_error_class(base) for name, base in ENV_ERROR_BASES.items()
-}
+ENV_MAKER_ERROR_CLASSES: dict[str, type[EnvMakerError]] = _with_builtins(
+    EnvMakerError, "An env maker"
+)
 globals().update({cls.__name__: cls for cls in ENV_MAKER_ERROR_CLASSES.values()})
 
 
