@@ -16,6 +16,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from tests.exactly_once import ExactlyOnce
 from zmqpool import PoolConfig, RegistrationError, ZMQAsyncEnvPool
@@ -101,6 +102,24 @@ def test_a_ray_actor_killed_mid_run_rejoins_and_every_request_is_answered_once(r
     finally:
         pool.close()
     assert workers.actors == []
+
+
+def test_ray_actors_build_their_envs_with_the_trainers_default_dtype(ray_cluster):
+    # As local workers do, and SerialEnv's in-process envs: float64 here, where an
+    # actor's process left to itself builds float32 specs and observations.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        kwargs = [{"obs_dtype": None}]  # torch's default dtype, in the actor
+        workers = RayWorkers("zmqpool.testing:CountingEnv", count=1, env_kwargs=kwargs)
+        pool = ZMQAsyncEnvPool([], remote_workers=workers, bind="tcp://127.0.0.1:*", config=CONFIG)
+    finally:
+        torch.set_default_dtype(previous)
+    try:
+        assert pool.observation_spec["observation"].dtype == torch.float64
+        assert pool.reset()["observation"].dtype == torch.float64
+    finally:
+        pool.close()
 
 
 def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_cluster):

@@ -39,6 +39,7 @@ class EnvActor:
         env: ``package.module:callable``; ``env_kwargs``: one dict per slot.
         slots: the pool's env indices reserved for this actor's key.
         register_timeout_s: how long to wait for the pool before failing.
+        default_dtype: torch's default dtype for the envs (the trainer's).
     """
 
     def __init__(
@@ -52,13 +53,14 @@ class EnvActor:
         register_timeout_s: float,
         env_threads: bool = False,
         inline_cheap: bool = True,
+        default_dtype: str = "float32",
     ) -> None:
         self.connect = connect
         self.public = keys[0]
         self.failure: str | None = None
         self.registered = threading.Event()
         recipes = [recipe_from_name(env, kwargs) for kwargs in env_kwargs]
-        host = EnvHost.build(list(range(len(slots))), recipes)
+        host = EnvHost.build(list(range(len(slots))), recipes, default_dtype=default_dtype)
         self.worker = Worker(
             connect,
             identity,

@@ -42,6 +42,7 @@ class LaunchContext:
     server_public: bytes  # the pool's CURVE public key (z85)
     slots: list[int]  # the env slots this launcher's workers are to fill
     authorize: Callable[[bytes, list[int]], None]  # admit a public key, for these slots only
+    default_dtype: str = "float32"  # torch's, for the envs: the trainer's at construction
 
 
 class RemoteLauncher(Protocol):
@@ -151,6 +152,7 @@ class RayWorkers:
                 self.register_timeout_s,
                 self.env_threads,
                 self.inline_cheap_envs,
+                ctx.default_dtype,
             )
             self.actors.append(handle)
         log.info(

@@ -317,7 +317,13 @@ class Runtime:
             first += launcher.num_envs
             self.resources.launchers.append(launcher)
             launcher.start(
-                LaunchContext(self.broker.tcp.router, keys.public, slots, self._authorize)
+                LaunchContext(
+                    self.broker.tcp.router,
+                    keys.public,
+                    slots,
+                    self._authorize,
+                    self.plan.default_dtype,
+                )
             )
 
     def _authorize(self, key: bytes, slots: list[int]) -> None:

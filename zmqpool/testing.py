@@ -38,7 +38,7 @@ class CountingEnv(EnvBase):
     Args:
         env_id: a number the env writes into every output.
         obs_shape: the observation's shape, ``(4,)`` by default.
-        obs_dtype: the observation's dtype.
+        obs_dtype: the observation's dtype (None: torch's default dtype where it is built).
         max_steps: steps per episode (``None``: never done).
         step_sleep_s: ``(low, high)``: each step sleeps a uniform time in it,
             to model a simulator's latency.
@@ -55,7 +55,7 @@ class CountingEnv(EnvBase):
         self,
         env_id: int = 0,
         obs_shape: Sequence[int] = (4,),
-        obs_dtype: torch.dtype = torch.float32,
+        obs_dtype: torch.dtype | None = torch.float32,
         max_steps: int | None = None,
         step_sleep_s: tuple[float, float] = (0.0, 0.0),
         device: torch.device | str | None = None,
@@ -65,7 +65,7 @@ class CountingEnv(EnvBase):
         self.max_steps = max_steps
         self.step_sleep_s = step_sleep_s
         self.obs_shape = torch.Size(obs_shape)
-        self.obs_dtype = obs_dtype
+        self.obs_dtype = obs_dtype = obs_dtype or torch.get_default_dtype()
         self.count = 0
         self.seed = -1
         self.observation_spec = Composite(
