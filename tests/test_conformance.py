@@ -733,6 +733,16 @@ class TestCountingPool:
             # only its private _busy holds and no public call clears (a recv would wait).
             pair.oracle._busy.discard(bad)
 
+    @pytest.mark.parametrize("bad", [N, -N - 1], ids=["N", "-N-1"])
+    def test_a_recv_on_an_env_index_out_of_range_is_a_keyerror_as_torchrl(self, pair, bad):
+        # torchrl's pool looks the env's future up: KeyError. Ours was an IndexError alone.
+        error = assert_same_error(
+            lambda: pair.oracle.async_reset_recv(env_index=bad),
+            lambda: pair.zmq.async_reset_recv(env_index=bad),
+        )
+        assert isinstance(error, IndexError), type(error).__mro__
+        assert str(error).startswith(f"env index {bad} is out of range for a pool of {N} envs")
+
     # ------------------------------------------------------------ inputs that can never work
 
     def test_a_tensordict_without_env_index_raises_keyerror_as_torchrl(self, pair):

@@ -32,6 +32,9 @@ argument::
     │                                    a recv awaiting more results than are in flight
     └── NothingInFlightError (RuntimeError, KeyError)
                                          a recv on an env's own channel that nothing was sent on
+
+    ChannelIndexError (IndexError, KeyError)
+                                         a bad argument: a recv's env_index out of range
 """
 
 from __future__ import annotations
@@ -286,6 +289,16 @@ class TooFewInFlightError(ZMQPoolError, RuntimeError):
     It would wait for ever: at the call (torchrl's pool raises ``RuntimeError``
     there too), or while it waited, when another thread took the results.
     """
+
+
+class ChannelIndexError(IndexError, KeyError):
+    """A recv on an env's own channel whose ``env_index`` is out of range: a bad argument.
+
+    An ``IndexError``, as every env index out of range is; and a ``KeyError``,
+    which torchrl's pool raises there (it looks the env's future up).
+    """
+
+    __str__ = BaseException.__str__
 
 
 class NothingInFlightError(ZMQPoolError, RuntimeError, KeyError):

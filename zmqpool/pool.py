@@ -37,6 +37,7 @@ from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
 from zmqpool.errors import (
     BatchSizeMismatchError,
+    ChannelIndexError,
     EnvBusyError,
     EnvError,
     EnvLostError,
@@ -671,7 +672,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # On an env's own channel too, where torchrl's pool ignores it.
         timeout = _checked_timeout(timeout)
         if env_index is not None:
-            env_index = self._indexer.one(env_index)
+            env_index = self._channel_index(env_index)
             self._check_awaited((kind, env_index))
             channel: Channel = (kind, env_index)
             replies = self._runtime.collect(channel, 1, 1, timeout, self._raise_taken)
@@ -682,6 +683,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         replies = self._note_restarted(replies)
         self._busy.difference_update([r.env for r in replies])
         return replies
+
+    def _channel_index(self, env_index: Any) -> int:
+        """The env whose own channel a recv reads; out of range: ``ChannelIndexError``."""
+        try:
+            return self._indexer.one(env_index)
+        except IndexError as err:
+            raise ChannelIndexError(str(err)) from None
 
     def _note_restarted(self, replies: list[Reply]) -> list[Reply]:
         # Into the instance dict: what EnvBase's and nn.Module's __setattr__ end up doing
