@@ -187,11 +187,11 @@ def _with_builtins(family: type[_Family], who: str) -> dict[str, type[_Family]]:
     ``EnvError`` gives ``EnvValueError``..., ``EnvMakerError`` ``EnvMakerValueError``...:
     module attributes (set by the caller), so that they pickle.
     """
-    prefix = family.__name__.removesuffix("Error")
+    family_name = family.__name__
+    prefix = family_name.removesuffix("Error")
     classes = {}
     for name, base in ENV_ERROR_BASES.items():
         cls = type(f"{prefix}{name}", (family, base), {"__module__": __name__})
-        family_name = family.__name__
         cls.__doc__ = f"{who} raised a ``{name}``: an :class:`{family_name}` and a ``{name}``."
         classes[name] = cls
     return classes
