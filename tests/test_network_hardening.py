@@ -102,8 +102,11 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
 
     A raw TCP client greets with CURVE and announces one long command frame;
     whatever the socket's MAXMSGSIZE lets through is held until the handshake
-    times out. 300 MiB into the results PULL and into the beacon's ROUTER, and 150
-    connections of 1 MiB to the ROUTER: the pool's RSS must grow by less than 64 MB.
+    times out. 300 MiB into the results PULL and into the beacon's ROUTER, 8
+    connections of 48 MiB into the results PULL (frames a remote reply may
+    hold: under ``max_remote_frame_bytes``, which sized the port before replies
+    came in pieces), and 150 connections of 1 MiB to the ROUTER: the pool's RSS
+    must grow by less than 64 MB.
     """
     port = free_port_base(HOST)
     floods: list[hostile.Flood] = []
@@ -114,6 +117,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
             phases = [
                 ("results PULL", port + 1, [(1 << 30, 300 * MB)]),
                 ("beacon ROUTER", port + 2, [(1 << 30, 300 * MB)]),
+                ("results PULL, 48 MiB frames", port + 1, [(48 * MB, 48 * MB)] * 8),
                 ("ROUTER", port, [(MB, MB)] * 150),
             ]
             for name, target, shots in phases:

@@ -293,12 +293,13 @@ def test_a_first_remote_workers_own_envs_must_stack_too(tmp_path, key_dir, conte
 
 
 def test_large_results_frames_from_an_authorized_key(tmp_path, key_dir, context):
-    """Finding 6: a 400 MiB single-frame result, then a 400 x 1 MiB result (bad tokens).
+    """Finding 6: a 400 MiB single-frame result, then 400 MiB in frames of a piece (bad tokens).
 
     A remote-only pool without ``remote_spec``: its results port takes frames of
-    ``max_remote_frame_bytes`` (64 MiB), so libzmq refuses the 400 MiB frame
-    before allocating it: the peak RSS must stay within 100 MB. The 400 frames
-    of 1 MiB are each under the cap: libzmq holds the whole message before the
+    a piece (512 KiB: 1/128 of ``max_remote_frame_bytes``; larger ones come cut,
+    wire: pieces), so libzmq refuses the 400 MiB frame before allocating it: the
+    peak RSS must stay within 100 MB. The 800 frames of 512 KiB are each within
+    the port's limit: libzmq holds the whole message before the
     pool can read it (the transient is reported), but once it is dropped
     nothing may hold it: the RSS, once glibc is asked to hand back what it
     keeps for reuse (``malloc_trim``), must come back within 100 MB of the
@@ -316,7 +317,7 @@ def test_large_results_frames_from_an_authorized_key(tmp_path, key_dir, context)
         victim.wait("constructed", timeout_s=30)
         answers: dict[str, Any] = {}
         growth: dict[str, tuple[int, int]] = {}
-        for name in ("400 MiB x 1", "1 MiB x 400"):
+        for name in ("400 MiB x 1", "512 KiB x 800"):
             before = hostile.settled_rss(victim.pid)
             reset_peak(victim.pid)
             peak_before = hostile.peak_rss_bytes(victim.pid)
@@ -327,7 +328,7 @@ def test_large_results_frames_from_an_authorized_key(tmp_path, key_dir, context)
             if name == "400 MiB x 1":
                 frames = [bad, bytearray(400 * MB)]
             else:
-                frames = [bad, *(bytearray(MB) for _ in range(400))]
+                frames = [bad, *(bytearray(MB // 2) for _ in range(800))]
             t0 = time.monotonic()
             sender.send_result(frames, copy=False)
             del frames
@@ -352,7 +353,7 @@ def test_large_results_frames_from_an_authorized_key(tmp_path, key_dir, context)
         assert str(env) in rounds["results"], f"{name}: the honest reply was lost: {rounds}"
     settled, peak = growth["400 MiB x 1"]
     assert peak < 100 * MB and settled < 100 * MB, f"one 400 MiB frame was taken in: {note}"
-    assert growth["1 MiB x 400"][0] < 100 * MB, f"the pool kept 400 frames of 1 MiB: {note}"
+    assert growth["512 KiB x 800"][0] < 100 * MB, f"the pool kept 800 frames of 512 KiB: {note}"
 
 
 # ---------------------------------------------------------------- 7: identities and keys

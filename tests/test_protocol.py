@@ -49,6 +49,7 @@ WELCOME = Welcome(
     heartbeat_interval_s=0.25,
     heartbeat_liveness=7,
     max_frame=1 << 20,
+    piece=256 << 10,
 )
 MESSAGES = [
     (Command.REGISTER, REGISTER),
@@ -234,6 +235,9 @@ MALFORMED = {
         _with(WELCOME, ("reg", "max_frame"), "1024"),
         "max_frame",
     ),
+    "welcome piece tiny": (Welcome, _with(WELCOME, ("reg", "piece"), 1), "piece"),
+    "welcome piece negative": (Welcome, _with(WELCOME, ("reg", "piece"), -1), "piece"),
+    "welcome piece a bool": (Welcome, _with(WELCOME, ("reg", "piece"), False), "piece"),
 }
 
 

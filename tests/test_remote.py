@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -21,11 +22,14 @@ import pytest
 import torch
 import zmq
 from tensordict import TensorDict
+from torchrl.envs import SerialEnv
+from torchrl.envs.utils import step_mdp
 
 from tests.conftest import start_remote_worker, stop
 from tests.netns import free_port_base
 from zmqpool import EnvLostError, PoolConfig, RegistrationError, ZMQAsyncEnvPool
 from zmqpool.arguments import public_key_of
+from zmqpool.limits import remote_piece_bytes
 from zmqpool.security import ClientKeys, make_client
 from zmqpool.testing import CountingEnv
 from zmqpool.wire import Command
@@ -193,6 +197,48 @@ def test_a_remote_workers_env_maker_error_reaches_the_trainer(remote_host, key_d
     assert "could not start (maker)" in text and "no_such_argument" in text, text
     assert public_key_of(key_dir / "authorized" / "worker-0.key") in text, text
     assert any("no_such_argument" in record.getMessage() for record in caplog.records)
+
+
+def _calls(env) -> list[TensorDict]:
+    """A reset, a step and a step_and_maybe_reset, as a user writes them."""
+    action = TensorDict({"action": torch.full((1, 1), 0.25)}, [1])
+    reset = env.reset()
+    stepped = env.step(reset.clone().update(action))
+    result, root = env.step_and_maybe_reset(step_mdp(stepped).update(action))
+    return [reset, stepped, result, root]
+
+
+def test_a_remote_reply_over_the_results_ports_limit_comes_in_pieces_whole(remote_host, key_dir):
+    """An observation of 1.6 MB from another host, over the results port's frame limit.
+
+    The port takes frames of a piece (512 KiB for the default 64 MiB
+    ``max_remote_frame_bytes``: what any peer, keyless too, can make the pool
+    hold during a handshake); the reply travels cut and is joined (wire:
+    pieces). Every call gives what ``SerialEnv`` gives, value for value.
+    """
+    shape = [400_000]
+    assert 4 * shape[0] > remote_piece_bytes(PoolConfig().max_remote_frame_bytes)
+    port = free_port_base(remote_host.pool_ip)
+    worker = start_remote_worker(remote_host, port, key_dir, kwargs={"obs_shape": shape})
+    serial = SerialEnv(1, functools.partial(CountingEnv, obs_shape=shape))
+    try:
+        # A reply lost on the way is a timeout within 30 s, not a wait for ever.
+        config = dataclasses.replace(BEATS, remote_step_timeout_s=30.0)
+        pool = remote_pool(remote_host, port, key_dir, config=config)
+        try:
+            ours = _calls(pool)
+        finally:
+            pool.close()
+        theirs = _calls(serial)
+    finally:
+        if not serial.is_closed:
+            serial.close()
+        stop(worker)
+    for got, want in zip(ours, theirs, strict=True):
+        keys = sorted(want.keys(True, True), key=str)
+        assert sorted(got.keys(True, True), key=str) == keys
+        for key in keys:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
 
 
 def test_a_killed_remote_env_process_is_restarted_by_its_host_and_rejoins(remote_host, key_dir):

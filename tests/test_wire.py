@@ -20,6 +20,7 @@ from zmqpool.wire import (
     command_rows,
     encode_message,
     joined_messages,
+    pieced_message,
     results_rows,
     split_batch,
 )
@@ -326,6 +327,41 @@ def test_batches_stay_under_their_size_and_frame_limits():
 def test_malformed_batches_raise_protocol_error(body, frames, max_messages):
     with pytest.raises(ProtocolError):
         split_batch(Header(Command.BATCH, -1, 0, body=body), frames, max_messages)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_a_message_in_pieces_comes_back_whole_each_piece_within_its_size():
+    """A remote reply with frames over the port's limit travels cut (wire: pieces)."""
+    image = bytes(range(256)) * 4096 + b"tail"  # 1 MiB and 4 bytes
+    message = [*_message(2, b"packed"), image]
+    [header_frame, *pieces] = pieced_message(message, env=2, token=b"t" * 16, piece=256 << 10)
+    header = Header.decode(header_frame)
+    assert (header.command, header.env, header.token) == (Command.BATCH, 2, b"t" * 16)
+    assert len(pieces) == 5 and all(memoryview(p).nbytes <= 256 << 10 for p in pieces)
+    out = split_batch(header, pieces, max_messages=1, max_frame=2 << 20)
+    assert [[bytes(f) for f in m] for m in out] == [message]
+
+
+@pytest.mark.parametrize(
+    "case, max_frame",
+    [
+        ("pieces from a peer that may not send them", None),
+        ("a frame over its sender's limit", 1 << 20),
+        ("pieces short of the sizes listed", 2 << 20),
+        ("pieces beyond the sizes listed", 2 << 20),
+    ],
+)
+def test_pieces_are_checked_before_they_are_joined(case, max_frame):
+    message = [*_message(2, b"packed"), bytes(1 << 20) + b"tail"]
+    [header_frame, *pieces] = pieced_message(message, env=2, token=b"t" * 16, piece=256 << 10)
+    if case == "pieces short of the sizes listed":
+        pieces = pieces[:-1]
+    elif case == "pieces beyond the sizes listed":
+        pieces = [*pieces, b"x"]
+    with pytest.raises(ProtocolError):
+        split_batch(Header.decode(header_frame), pieces, 1, max_frame)
 
 
 # ---------------------------------------------------------------- rows joined

@@ -209,6 +209,7 @@ class FakeTrainer:
             "heartbeat_interval_s": BEAT_S,
             "heartbeat_liveness": 100_000,
             "max_frame": 1 << 20,
+            "piece": 0,
         }
         welcome = Header(Command.WELCOME, body={"reg": reg}).encode()
         self.router.send_multipart([self.identity, welcome])

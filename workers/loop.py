@@ -98,6 +98,7 @@ from zmqpool.limits import (
     MAX_CONTROL_BYTES,
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
+    MAX_PIECES,
     MAX_REMOTE_CONTROL_BYTES,
     TCP_HANDSHAKE_MS,
 )
@@ -124,6 +125,7 @@ from zmqpool.wire import (
     command_rows,
     holds_replies,
     joined_messages,
+    pieced_message,
     split_batch,
 )
 
@@ -899,6 +901,7 @@ class Worker:
                 parts.append(self.encoder.encode(part, dtypes))
                 self._check_frames(parts[-1])
             check_header_room(parts)
+            self._check_pieces(parts)
         except Exception as err:
             self.encoder.retract(parts)  # not sent: their layouts are announced again
             return self._error_reply(header, err, "its output cannot cross the wire")
@@ -914,9 +917,25 @@ class Worker:
                 f"takes at most {welcome.max_frame} (twice what the specs declare)"
             )
 
+    def _check_pieces(self, parts: list[EncodedPart]) -> None:
+        """Refuse an output too large for the most pieces a reply may come in (wire: pieces)."""
+        piece = 0 if self.welcome is None else self.welcome.piece
+        if not piece:
+            return
+        nbytes = sum(part.layout.frames_nbytes for part in parts)
+        room = piece * MAX_PIECES - MAX_HEADER_BYTES
+        if nbytes > room:
+            raise ProtocolError(
+                f"an output of {nbytes} bytes; the pool takes replies of at most {room} "
+                f"({MAX_PIECES} pieces of {piece} bytes, less a header)"
+            )
+
     def _push(self, reply: list[Any]) -> None:
         if self.push is None:  # closed (the worker is closing): nobody awaits the reply
             return
+        piece = 0 if self.welcome is None else self.welcome.piece
+        if piece and any(memoryview(frame).nbytes > piece for frame in reply):
+            reply = pieced_message(reply, next(iter(self.host.envs)), self.token, piece)
         send_frames(self.push, reply)
 
     def _error_reply(self, header: Header, err: Exception, what: str | None = None) -> list[Any]:

@@ -476,8 +476,11 @@ class Registrar:
     def _welcome(
         self, record: WorkerRecord, reg: Register, specs: list[Checked], remote: bool
     ) -> None:
-        # What its specs hold bounds the frames this worker sends.
+        # What its specs hold bounds the frames this worker sends; a remote one's, the
+        # remote side's cap too (`remote_spec` or PoolConfig.max_remote_frame_bytes).
         limit = max_message_bytes(layout for _, _, layout in specs)
+        if remote:
+            limit = min(limit, self.broker.remote_frame_cap)
         link = Link(
             record.identity,
             os.urandom(16),
@@ -508,6 +511,7 @@ class Registrar:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_liveness=self.config.heartbeat_liveness,
             max_frame=limit,
+            piece=self.broker.remote_piece if link.remote else 0,
         )
         header = Header(Command.WELCOME, body=welcome.to_body())
         routed = self.broker.route(link.identity, [header.encode()], link.remote)

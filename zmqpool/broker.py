@@ -17,7 +17,10 @@ Two sides, never sharing a socket:
 
 Options that libzmq reads when an endpoint is bound (``MAXMSGSIZE``, CURVE,
 the handshake interval) are set on each socket before its bind, so one side
-never inherits the other's. ``ROUTER_MANDATORY`` is on, so a command to a
+never inherits the other's. The remote ports take small frames only (a remote
+reply's larger frames come in pieces: see :mod:`zmqpool.wire`), since a port's
+limit is what any peer, keyless too, can make the pool hold per connection
+while a handshake lasts. ``ROUTER_MANDATORY`` is on, so a command to a
 worker that is not connected raises instead of vanishing; ``ROUTER_HANDOVER``
 is off, so no peer presenting a live worker's identity takes over its route.
 
@@ -50,6 +53,7 @@ from zmqpool.limits import (
     MAX_REMOTE_CONTROL_BYTES,
     REMOTE_CONTROL_QUEUE,
     REMOTE_RESULTS_QUEUE,
+    remote_piece_bytes,
 )
 from zmqpool.protocol import recv_frames, send_frames
 from zmqpool.security import ServerKeys, make_server, start_authenticator
@@ -107,6 +111,9 @@ class Broker:
         self.remote: Side | None = None
         self.beacon: Beacon | None = None
         self.tcp: Endpoints | None = None
+        #: The largest frame a remote reply may hold, and the remote results port's limit.
+        self.remote_frame_cap = 0
+        self.remote_piece = 0
 
     # ------------------------------------------------------------ binding
 
@@ -153,12 +160,16 @@ class Broker:
     def bind_remote(self, tcp: Endpoints, keys: ServerKeys | None, results_cap: int) -> None:
         """The remote side: its own sockets, CURVE and limits set before they bind.
 
-        ``results_cap``: the largest frame a remote worker may send on the
-        results port (from the layouts the remote slots' reference specs imply).
+        ``results_cap``: the largest frame a remote worker's reply may hold
+        (from the layouts the remote slots' reference specs imply). The results
+        port itself takes frames of a piece (:func:`~zmqpool.limits.remote_piece_bytes`):
+        larger ones come cut (wire: pieces).
         """
         if keys is not None:
             self.auth = start_authenticator(self.context, keys, _ZAP_DOMAIN.decode())
-        self.remote = self._side(tcp, keys, results_cap)
+        self.remote_frame_cap = results_cap
+        self.remote_piece = remote_piece_bytes(results_cap)
+        self.remote = self._side(tcp, keys, self.remote_piece)
         secure = None if keys is None else functools.partial(_enforce_curve, keys=keys)
         interval_s = self.config.heartbeat_interval_s
         self.beacon = Beacon(self.context, tcp.beats, secure, self.epoch, interval_s, _HANDSHAKE_MS)

@@ -109,10 +109,12 @@ class PoolConfig:
     #: leaves at least this large travel in the pool's commands as their own
     #: zero-copy frame (workers' replies: always 64 KiB).
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
-    #: the largest frame a remote worker may send on the TCP results port (a
-    #: result's leaf, or its header) when the remote slots have no reference
-    #: spec to size it from (a remote-only pool without ``remote_spec``, or a
-    #: stack other than ``"dense"``); libzmq refuses a larger frame before allocating it.
+    #: the largest frame a remote worker's reply may hold (a result's leaf, or
+    #: its header) when the remote slots have no reference spec to size it from
+    #: (a remote-only pool without ``remote_spec``, or a stack other than
+    #: ``"dense"``); a worker answers a larger output with its env's error. The
+    #: results port itself takes frames of 1/128 of this (at least 256 KiB), and
+    #: larger frames come in pieces (``zmqpool.limits.remote_piece_bytes``).
     max_remote_frame_bytes: int = 64 << 20
     #: what a remote worker's specs may cost the trainer once built (a
     #: bounded leaf's low, high and zero at full shape), checked before

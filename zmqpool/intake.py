@@ -115,14 +115,17 @@ class Intake:
         return record
 
     def _on_batch(self, header: Header, frames: list[zmq.Frame], remote: bool) -> None:
-        """A worker's batch of replies: each checked and taken as if it had come alone."""
+        """A worker's batch of replies (or one reply in pieces): each checked and taken as if it
+        had come alone."""
         record = self._sender(header, remote, frames[0])
         if record is None:
             return
         link = record.link
         assert link is not None
+        # A remote worker's reply with a frame over the port's limit comes in pieces.
+        max_frame = link.decoder.max_frame_bytes if remote else None
         try:
-            messages = split_batch(header, frames[1:], len(link.envs))
+            messages = split_batch(header, frames[1:], len(link.envs), max_frame)
         except ProtocolError as err:
             self.ledger.drop("malformed batch", err)
             return

@@ -129,6 +129,22 @@ MAX_NONTENSOR_ITEMS = 16384
 #: checked: a keyless peer can make the pool hold at most this much per
 #: connection, for the handshake interval.
 MAX_REMOTE_CONTROL_BYTES = 256 << 10
+#: The least frame limit of the remote results port. A remote worker's reply
+#: may hold frames far larger (an image, up to ``PoolConfig.max_remote_frame_bytes``
+#: or what ``remote_spec`` implies), but a port's limit is also what any peer,
+#: keyless included, can make the pool hold per connection during the CURVE
+#: handshake. So the port takes frames of a *piece*'s size, and a reply with a
+#: larger frame travels as a BATCH of one message whose joined frame is cut into
+#: pieces (:func:`zmqpool.wire.pieced_message`); the pool joins them, each frame
+#: held to its sender's limit first.
+MIN_REMOTE_PIECE_BYTES = MAX_REMOTE_CONTROL_BYTES
+#: A frame of the remote results cap fits in this many pieces (so the piece, and
+#: what a keyless connection holds, is at most 1/128 of the cap).
+REMOTE_PIECES_PER_FRAME = 128
+#: The most pieces one message may come in: what the pool reads of a message
+#: (:data:`MAX_MESSAGE_FRAMES`) after the BATCH header. A worker answers a
+#: reply too large for them with an error instead.
+MAX_PIECES = MAX_MESSAGE_FRAMES - 1
 #: Messages libzmq queues for the pool per remote connection (its RCVHWM; the
 #: default is 1,000) before it stops reading that connection. What a peer can
 #: make the trainer hold between two of its calls is this many messages per
@@ -141,6 +157,18 @@ MAX_REMOTE_CONTROL_BYTES = 256 << 10
 #: the worker (PUSH blocks), nothing is lost.
 REMOTE_CONTROL_QUEUE = 16
 REMOTE_RESULTS_QUEUE = 64
+
+
+def remote_piece_bytes(frame_cap: int) -> int:
+    """The remote results port's frame limit, for replies whose frames reach ``frame_cap``.
+
+    Example:
+        >>> remote_piece_bytes(64 << 20) == 512 << 10
+        True
+        >>> remote_piece_bytes(4096) == MIN_REMOTE_PIECE_BYTES
+        True
+    """
+    return max(MIN_REMOTE_PIECE_BYTES, -(-frame_cap // REMOTE_PIECES_PER_FRAME))
 
 
 def is_int(value: Any) -> bool:

@@ -139,6 +139,13 @@ def _int(value: Any, field: str, low: int, high: int) -> int:
     return int(value)
 
 
+def _piece(value: Any) -> int:
+    """WELCOME's ``piece``: 0 (no pieces), or at least 4 KiB (a worker cuts replies by it)."""
+    if is_int(value) and value == 0:
+        return 0
+    return _int(value, "WELCOME piece", 1 << 12, 1 << 62)
+
+
 def _bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise ProtocolError(f"{field} must be a bool, got {type(value).__name__}")
@@ -274,6 +281,10 @@ class Welcome:
     #: the largest frame the pool takes from this worker (its results socket's and
     #: decoder's limit); libzmq drops a larger one with the connection, silently.
     max_frame: int
+    #: the results port's own frame limit, if a frame under ``max_frame`` may still be
+    #: over it (a remote port: :func:`~zmqpool.limits.remote_piece_bytes`); a reply with
+    #: a larger frame then goes in pieces (:func:`~zmqpool.wire.pieced_message`). 0: none.
+    piece: int = 0
 
     _KEYS = (
         "token",
@@ -284,6 +295,7 @@ class Welcome:
         "heartbeat_interval_s",
         "heartbeat_liveness",
         "max_frame",
+        "piece",
     )
 
     @property
@@ -301,6 +313,7 @@ class Welcome:
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "heartbeat_liveness": self.heartbeat_liveness,
             "max_frame": self.max_frame,
+            "piece": self.piece,
         }
         return {"reg": reg}
 
@@ -319,6 +332,7 @@ class Welcome:
                 reg["heartbeat_liveness"], "WELCOME heartbeat_liveness", 1, MAX_LIVENESS + 1
             ),
             max_frame=_int(reg["max_frame"], "WELCOME max_frame", 1, 1 << 62),
+            piece=_piece(reg["piece"]),
         )
 
 

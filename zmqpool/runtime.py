@@ -66,7 +66,6 @@ from zmqpool.gate import SHARED_SLICE_S, Gate
 from zmqpool.intake import Intake
 from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
 from zmqpool.layout import max_message_bytes
-from zmqpool.limits import MAX_REMOTE_CONTROL_BYTES
 from zmqpool.outbox import Outbox
 from zmqpool.policy import Liveness
 from zmqpool.protocol import FailureKind
@@ -300,9 +299,8 @@ class Runtime:
         reference = self.registrar.remote_reference()
         if reference is None:
             cap = self.config.max_remote_frame_bytes
-        else:  # a header of the remote side's size, or the reference's leaves with headroom
-            layouts = [layout_of(reference.zero())]
-            cap = max_message_bytes(layouts, header_bytes=MAX_REMOTE_CONTROL_BYTES)
+        else:  # a header, or the reference's leaves with headroom
+            cap = max_message_bytes([layout_of(reference.zero())])
         self.broker.bind_remote(tcp_endpoints(self.plan.bind), keys, cap)
         self._start_launchers(keys)
 

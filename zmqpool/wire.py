@@ -136,6 +136,19 @@ all. A receiver checks the counts and sizes against the joined frame, and the
 number of messages against what the peer may have in flight, before it makes
 a view of it: a batch allocates nothing (the views share the joined frame).
 
+Pieces. A remote worker's results port takes frames of a piece's size only
+(WELCOME's ``piece``, :func:`~zmqpool.limits.remote_piece_bytes`: 256 KiB, or
+1/128 of the largest frame the port's replies may hold), since a port's frame
+limit is what any peer, keyless too, can make the pool hold per connection
+during the CURVE handshake. A reply with a larger frame travels as a ``BATCH``
+of that one message (:func:`pieced_message`): the header as above, then its
+joined frame cut into pieces of at most ``piece`` bytes (at most
+:data:`~zmqpool.limits.MAX_PIECES`; a worker answers a larger reply with an
+error). The pool takes pieces only from a remote worker, holds each frame
+listed to the largest its specs imply (WELCOME's ``max_frame``) and their
+sizes to the pieces' bytes, then joins them: one copy, made once every claim
+is checked.
+
 Rows joined. Among a worker's kept replies (a batch run inline, or replies
 queued while another env thread sent), the results of envs whose parts have
 the same layouts (already announced, tensors only, each of at most
@@ -235,7 +248,10 @@ if TYPE_CHECKING:
 #: DEALER to a ROUTER): a version-8 worker's SUB cannot connect to it. An ERROR
 #: or FAILED may name more builtins (``base``: OSError's family, ImportError...),
 #: which a version-8 pool refuses, and a maker's FAILED names the one it raised.
-PROTOCOL_VERSION = 9
+#: 10: a remote worker's reply with a frame over its results port's limit travels
+#: in pieces (WELCOME's ``piece``; a BATCH whose joined frame is cut), which a
+#: version-9 pool drops; the port's limit is a piece's, not the largest reply's.
+PROTOCOL_VERSION = 10
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
@@ -812,14 +828,34 @@ def _rows_of(
     return envs, seqs
 
 
-def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> list[list[memoryview]]:
+def pieced_message(frames: Sequence[Any], env: int, token: bytes, piece: int) -> list[Any]:
+    """``frames`` as a BATCH of one message whose joined frame travels in pieces of ``piece`` bytes.
+
+    For a remote worker's reply with a frame over its results port's limit
+    (:func:`~zmqpool.limits.remote_piece_bytes`): the header lists the
+    message's frame sizes, as any batch's; the pieces follow it.
+    """
+    sizes = [memoryview(f).nbytes for f in frames]
+    joined = memoryview(b"".join(frames))
+    pieces = [joined[at : at + piece] for at in range(0, joined.nbytes, piece)]
+    body = {"n": [len(sizes)], "len": sizes}
+    return [Header(Command.BATCH, env, 0, token, body=body).encode(), *pieces]
+
+
+def split_batch(
+    header: Header, frames: Sequence[Any], max_messages: int, max_frame: int | None = None
+) -> list[list[memoryview]]:
     """A BATCH's messages, each its frames (views on the joined frame, nothing copied).
 
     Everything the header claims is checked before any view is made: at most
     ``max_messages`` messages (what the peer may have in flight: its envs), of
     at most :data:`~zmqpool.limits.MAX_MESSAGE_FRAMES` frames each and
     :data:`~zmqpool.limits.MAX_BATCH_FRAMES` in all, whose sizes add up to
-    the one joined frame's. Raises :class:`ProtocolError`.
+    the one joined frame's. With ``max_frame`` (what the peer's frames are
+    held to), the joined frame may come in pieces (:func:`pieced_message`):
+    each frame listed is held to ``max_frame`` and the sizes to the pieces'
+    bytes before the pieces are joined, the one copy made. Raises
+    :class:`ProtocolError`.
     """
     counts, sizes = _batch_fields(header.body)
     if not 0 < len(counts) <= max_messages:
@@ -828,11 +864,7 @@ def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> lis
         raise ProtocolError("a batch's frame counts must be positive integers")
     if sum(counts) != len(sizes) or any(not is_int(n) or n < 0 for n in sizes):
         raise ProtocolError("a batch's frame sizes must be one non-negative integer per frame")
-    if len(frames) != 1:
-        raise ProtocolError(f"a batch must carry one joined frame, not {len(frames)}")
-    joined = memoryview(getattr(frames[0], "buffer", frames[0])).cast("B")
-    if sum(sizes) != joined.nbytes:
-        raise ProtocolError(f"a batch's frame sizes add up to {sum(sizes)}, not {joined.nbytes}")
+    joined = _joined_frame(frames, sizes, max_frame)
     views, at = [], 0
     for size in sizes:
         views.append(joined[at : at + size])
@@ -842,6 +874,25 @@ def split_batch(header: Header, frames: Sequence[Any], max_messages: int) -> lis
         messages.append(views[start : start + n])
         start += n
     return messages
+
+
+def _joined_frame(frames: Sequence[Any], sizes: list[int], max_frame: int | None) -> memoryview:
+    """A batch's one joined frame, or its pieces joined once every claim is checked."""
+    if len(frames) != 1 and (max_frame is None or not frames):
+        raise ProtocolError(f"a batch must carry one joined frame, not {len(frames)}")
+    views = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
+    nbytes = sum(view.nbytes for view in views)
+    if sum(sizes) != nbytes:
+        raise ProtocolError(f"a batch's frame sizes add up to {sum(sizes)}, not {nbytes}")
+    if len(views) == 1:
+        return views[0]
+    assert max_frame is not None
+    if max(sizes) > max_frame:
+        raise ProtocolError(
+            f"a batch in pieces lists a frame of {max(sizes)} bytes; its sender's frames are "
+            f"at most {max_frame}"
+        )
+    return memoryview(bytearray().join(views))
 
 
 def _batch_fields(body: dict[str, Any] | None) -> tuple[list[Any], list[Any]]:
