@@ -19,6 +19,7 @@ import dataclasses
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 
@@ -315,6 +316,54 @@ def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations()
         assert info.value.env_index == 0
         assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [2.0, 2.0]
         assert restarts(pool) == [2, 2]
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- a failed sync call
+
+
+def sync_step(pool, values: list[float]) -> TensorDictBase:
+    return pool.step(TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)]))
+
+
+@pytest.mark.parametrize("cut_short_by", ["another env's error", "a Ctrl-C"])
+def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_step(
+    cut_short_by,
+):
+    """Env 0's worker dies in a sync step that then fails: env 1 raises, or a Ctrl-C comes.
+
+    The call's results are dropped with it, env 0's restart truncation among
+    them. Had the next step just stepped the rebuilt env, the caller would go
+    on from the observation before the crash with no ``done`` between. The
+    truncation is owed instead: the next step answers env 0 with it (done,
+    truncated, the reset observation) and names it in ``last_restarted_envs``.
+    """
+    pool = ZMQAsyncEnvPool(
+        [FatalEnv] * 2, create_env_kwargs=[{"env_id": i} for i in range(2)], config=QUICK
+    )
+    try:
+        pool.reset()
+        sync_step(pool, [0.1, 0.1])
+        if cut_short_by == "another env's error":
+            with pytest.raises(EnvError, match="env 1"):
+                sync_step(pool, [0.9, 0.7])
+        else:  # env 1 steps for a second: the Ctrl-C comes while the call waits for it
+            ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            ctrl_c.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    sync_step(pool, [0.9, 0.5])
+            finally:
+                ctrl_c.join(timeout=5)
+        assert restarts(pool) == [1, 0]
+        out = sync_step(pool, [0.1, 0.1])
+        assert pool.last_restarted_envs == [0]
+        assert out["next", "truncated"].tolist() == [[True], [False]]
+        assert out["next", "observation"][0, 1].item() == 0.0  # the reset's step count
+        out = sync_step(pool, [0.1, 0.1])
+        assert pool.last_restarted_envs == [] and not out["next", "truncated"].any()
+        assert out["next", "observation"][0, 1].item() == 1.0  # on from the reset
     finally:
         pool.close()
 

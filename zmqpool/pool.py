@@ -85,6 +85,28 @@ def _starting(method: _Method) -> _Method:
     return _holding_the_gate(method, starts=True)
 
 
+def _sync_call(method: _Method) -> _Method:
+    """A sync call (outside its gate): if a Ctrl-C ends it, the replies it took go with it.
+
+    A Ctrl-C held back is raised as the gate is let go (:mod:`zmqpool.interrupts`),
+    once the call's result is built: the result is lost, and a restart's
+    truncation in it is owed to the env's next step (:meth:`Runtime.drop_replies`).
+    """
+
+    @functools.wraps(method)
+    def sync_call(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_sync_replies"] = []
+        try:
+            return method(self, *args, **kwargs)
+        except KeyboardInterrupt:
+            self._runtime.drop_replies(self._sync_replies)
+            raise
+        finally:
+            self.__dict__["_sync_replies"] = []
+
+    return sync_call  # type: ignore[return-value]
+
+
 def _holding_the_gate(method: _Method, starts: bool) -> _Method:
     @functools.wraps(method)
     def holding_the_gate(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
@@ -225,6 +247,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._batch_stats = BatchStats()
         #: Requests a sync call left in flight when a Ctrl-C stopped its wait, by kind.
         self._interrupted_sync: dict[Kind, int] = {}
+        #: The replies the sync call under way took (:func:`_sync_call`).
+        self._sync_replies: list[Reply] = []
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -337,6 +361,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     # ------------------------------------------------------------ sync API
 
+    @_sync_call
     @_starting
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Step every env; like ``EnvBase.step``, returns ``tensordict`` with ``"next"`` set."""
@@ -379,6 +404,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         tensordict.set("next", stepped)
         return tensordict
 
+    @_sync_call
     @_starting
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         """torchrl's hook, which ``TransformedEnv`` and ``SerialEnv`` call: the envs' ``"next"``.
@@ -423,10 +449,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _recv_every_env(self, kind: Kind, count: int) -> list[Reply]:
         """A sync call's recv of the ``count`` envs it sent to (see :meth:`_settled_on_error`).
 
-        Held whole: a Ctrl-C is raised once every env answered (``interrupts.WHOLE``).
+        Held whole: a Ctrl-C is raised once every env answered (``interrupts.WHOLE``),
+        as the call lets go of its gate; the replies are noted for :func:`_sync_call`.
         """
         with self._settled_on_error(kind), interrupts.WHOLE:
-            return self._recv(kind, count, None, None, None)
+            replies = self._recv(kind, count, None, None, None)
+        self.__dict__["_sync_replies"] = replies  # nn.Module's __setattr__ checks skipped
+        return replies
 
     @contextlib.contextmanager
     def _settled_on_error(self, kind: Kind) -> Iterator[None]:
@@ -472,7 +501,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             if not left:
                 return
             try:
-                self._recv(kind, left, None, None, None)
+                self._runtime.drop_replies(self._recv(kind, left, None, None, None))
             except (EnvError, EnvLostError) as err:
                 log.warning("dropped with the failed call: %s", str(err).splitlines()[0])
 
@@ -486,6 +515,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         if edited is not None:
             tensordict.update(edited.exclude(ENV_INDEX), inplace=True)
 
+    @_sync_call
     @_starting
     def step_and_maybe_reset(
         self, tensordict: TensorDictBase

@@ -468,6 +468,17 @@ class Roster:
 
     # ------------------------------------------------------------ sending
 
+    def owe_truncation(self, index: int) -> None:
+        """Env ``index``'s restart truncation never reached the caller: it is owed again.
+
+        Its next step goes as a reset and is answered as a truncation, as a
+        rebuilt env's first step is (``FRESH``). An env that is not live now
+        (its worker gone again) comes back fresh anyway.
+        """
+        env = self.envs[index]
+        if env.phase is EnvPhase.LIVE:
+            env.phase = EnvPhase.FRESH
+
     def begin(self, index: int, resets: bool) -> bool:
         """A command goes to env ``index``; whether it is fresh and the command must be a reset.
 

@@ -630,6 +630,17 @@ class Runtime:
         """Replies that :meth:`collect` returned and the recv could not: for the next recv."""
         self.ledger.give_back(channel, replies)
 
+    def drop_replies(self, replies: list[Reply]) -> None:
+        """Replies a failed sync call took and never returned (``ZMQAsyncEnvPool._settle``).
+
+        A restart's truncation among them is owed still: its env's next step is
+        sent as a reset again and answered as a truncation, so the caller learns
+        that the episode it was stepping ended (:meth:`Roster.owe_truncation`).
+        """
+        for reply in replies:
+            if reply.synthesized:
+                self.roster.owe_truncation(reply.env)
+
     def awaiting(self, channel: Channel) -> int:
         """Requests on ``channel`` that no recv has taken yet (in flight or ready)."""
         return self.ledger.awaiting(channel)
