@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
+from tensordict import TensorDict
 
 from tests.test_fuzz_live import FakePush
 from tests.test_worker_hardening import (
@@ -38,11 +40,12 @@ from tests.test_worker_hardening import (
 from workers.hosting import EnvHost
 from workers.loop import Worker, pool_endpoint
 from workers.supervise import REFUSED
+from zmqpool.codec import Decoder, Encoder
 from zmqpool.errors import RegistrationError
-from zmqpool.protocol import Failed
+from zmqpool.protocol import Failed, Welcome
 from zmqpool.security import make_server
 from zmqpool.testing import CountingEnv
-from zmqpool.wire import Command, Header, split_batch
+from zmqpool.wire import Command, Header, encode_message, split_batch
 
 #: The hostile command: this many frames of FRAME_BYTES each, every one under a
 #: CountingEnv worker's DEALER limit (1 MiB + 64), the whole far over it.
@@ -164,6 +167,51 @@ def test_joined_commands_over_what_a_pool_joins_are_refused_before_they_are_copi
         ]
         assert all("a pool joins at most" in Failed.from_body(r.body).err for r in replies)
         assert peak < 1 << 20, f"{peak} bytes allocated for joined commands refused"
+    finally:
+        worker.close()
+
+
+# ---------------------------------------------------------------- replies in pieces
+
+
+def _step(env: int, encoder: Encoder) -> list[bytes]:
+    td = TensorDict({"action": torch.tensor([0.5])}, [])
+    frames = encode_message(Header(Command.STEP, env, 1), [encoder.encode(td)])
+    return [bytes(memoryview(f).cast("B")) for f in frames]
+
+
+def test_a_reply_over_its_piece_goes_cut_and_one_over_every_piece_is_its_envs_error(tmp_path):
+    """WELCOME's ``piece`` (wire: pieces), driven through ``Worker.handle``.
+
+    Pieces of 4 KiB make room for replies of 3 MiB (1,024 pieces, less a
+    header): env 0's observation of 1.2 MB goes as a BATCH of pieces that
+    join into its reply, value for value; env 1's of 4.8 MB cannot come
+    whole through any number the pool reads, and is answered with the env's
+    error instead of a message the pool would drop (its request unanswered).
+    """
+    envs = {0: CountingEnv(env_id=0, obs_shape=(300_000,)), 1: CountingEnv(obs_shape=(1_200_000,))}
+    worker = Worker(router=f"ipc://{tmp_path}/nobody", identity=b"w0", host=EnvHost(envs))
+    push = FakePush()
+    worker.push = push  # type: ignore[assignment]
+    worker.token = b"t" * 16
+    worker.welcome = Welcome(b"t" * 16, (0, 1), "ipc://r", None, b"e", 1.0, 5, 1 << 30, 4096)
+    encoder = Encoder()
+    try:
+        for env in (0, 1):
+            assert worker.handle(_step(env, encoder))
+        pieced, error = push.sent
+        header = Header.decode(pieced[0])
+        assert header.command == Command.BATCH and len(pieced) > 250
+        assert all(len(piece) <= 4096 for piece in pieced[1:])
+        [reply] = split_batch(header, pieced[1:], 2, max_frame=1 << 30)
+        inner = Header.decode(reply[0])
+        assert (inner.command, inner.env, inner.seq) == (Command.RESULT, 0, 1)
+        [part] = Decoder().decode(inner, reply[1:])
+        observation = part.to_tensordict()["observation"]
+        assert observation[:3].tolist() == [0.0, 1.0, 0.5] and not observation[4:].any()
+        [failed] = headers_of(error)
+        assert (failed.command, failed.env) == (Command.ERROR, 1)
+        assert "the pool takes replies of at most" in Failed.from_body(failed.body).err
     finally:
         worker.close()
 
