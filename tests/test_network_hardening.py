@@ -26,6 +26,7 @@ import zmq
 from hostile import Peer, Victim, client_keys, unknown_keys, wait_until
 
 from tests.netns import free_port_base
+from zmqpool.limits import MAX_HEADER_BYTES, MIN_REMOTE_PIECE_BYTES
 from zmqpool.protocol import Failed, FailureKind, Ping
 from zmqpool.remote_failures import MAX_KEYS, RemoteFailures
 from zmqpool.wire import Command, Header
@@ -105,8 +106,9 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
     times out. 300 MiB into the results PULL and into the beacon's ROUTER, 8
     connections of 48 MiB into the results PULL (frames a remote reply may
     hold: under ``max_remote_frame_bytes``, which sized the port before replies
-    came in pieces), and 150 connections of 1 MiB to the ROUTER: the pool's RSS
-    must grow by less than 64 MB.
+    came in pieces), 40 of 2 MiB there (4x its piece, 512 KiB), and 150
+    connections of 1 MiB to the ROUTER: the pool's RSS must grow by less than
+    64 MB.
     """
     port = free_port_base(HOST)
     floods: list[hostile.Flood] = []
@@ -118,6 +120,7 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
                 ("results PULL", port + 1, [(1 << 30, 300 * MB)]),
                 ("beacon ROUTER", port + 2, [(1 << 30, 300 * MB)]),
                 ("results PULL, 48 MiB frames", port + 1, [(48 * MB, 48 * MB)] * 8),
+                ("results PULL, 2 MiB frames", port + 1, [(2 * MB, 2 * MB)] * 40),
                 ("ROUTER", port, [(MB, MB)] * 150),
             ]
             for name, target, shots in phases:
@@ -150,6 +153,23 @@ def test_floods_without_a_key_do_not_grow_the_pools_memory(tmp_path, key_dir):
         f"{(before + total) / MB:.0f} MB) under floods without a key (bound 64 MB): "
         + "; ".join(notes)
     )
+
+
+def test_a_welcome_takes_a_headers_frame_whatever_the_remote_frame_limit(
+    tmp_path, key_dir, context
+):
+    """``max_remote_frame_bytes`` under the 1 MiB a reply's header may take: WELCOME still
+    takes a header's frame (cut into pieces of 256 KiB), so a reply carrying a large
+    non-tensor is not dropped as a malformed batch, its request unanswered."""
+    port = free_port_base(HOST)
+    config = {**WAITING, "max_remote_frame_bytes": 4096}
+    with remote_victim(tmp_path, key_dir, port, config=config) as victim:
+        honest = Peer(context, f"tcp://{HOST}:{port}", curve=client_keys(key_dir, 0))
+        welcome = register_until_answered(victim, honest, victim.hello.register_body())
+        honest.close()
+    assert welcome is not None and welcome["command"] == "WELCOME", welcome
+    reg = welcome["body"]["reg"]
+    assert (reg["max_frame"], reg["piece"]) == (MAX_HEADER_BYTES, MIN_REMOTE_PIECE_BYTES), reg
 
 
 def _curve_socket(context: zmq.Context, kind: int, key_dir, worker: int) -> zmq.Socket:

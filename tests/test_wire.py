@@ -345,23 +345,32 @@ def test_a_message_in_pieces_comes_back_whole_each_piece_within_its_size():
 
 
 @pytest.mark.parametrize(
-    "case, max_frame",
+    "case, max_frame, error",
     [
-        ("pieces from a peer that may not send them", None),
-        ("a frame over its sender's limit", 1 << 20),
-        ("pieces short of the sizes listed", 2 << 20),
-        ("pieces beyond the sizes listed", 2 << 20),
+        ("pieces from a peer that may not send them", None, "one joined frame, not 5"),
+        ("a frame over its sender's limit", 1 << 20, "a frame of 1048580 bytes"),
+        ("pieces short of the sizes listed", 2 << 20, "add up to"),
+        ("pieces beyond the sizes listed", 2 << 20, "add up to"),
+        ("more than a reply of its sender's joins to", 64 << 10, "join to at most"),
+        ("two messages in pieces", 2 << 20, "must carry one message, not 2"),
     ],
 )
-def test_pieces_are_checked_before_they_are_joined(case, max_frame):
+def test_pieces_are_checked_before_they_are_joined(case, max_frame, error):
     message = [*_message(2, b"packed"), bytes(1 << 20) + b"tail"]
+    if case == "more than a reply of its sender's joins to":  # 1 MiB and 4 frames of 64 KiB
+        message = [*_message(2), *[bytes(60 << 10)] * 30]
     [header_frame, *pieces] = pieced_message(message, env=2, token=b"t" * 16, piece=256 << 10)
+    header = Header.decode(header_frame)
     if case == "pieces short of the sizes listed":
         pieces = pieces[:-1]
     elif case == "pieces beyond the sizes listed":
         pieces = [*pieces, b"x"]
-    with pytest.raises(ProtocolError):
-        split_batch(Header.decode(header_frame), pieces, 1, max_frame)
+    elif case == "two messages in pieces":
+        sizes = header.body["len"]
+        body = {"n": [1, len(sizes) - 1], "len": sizes}
+        header = Header(Command.BATCH, 2, 0, b"t" * 16, body=body)
+    with pytest.raises(ProtocolError, match=error):
+        split_batch(header, pieces, 2, max_frame)
 
 
 # ---------------------------------------------------------------- rows joined

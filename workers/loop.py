@@ -101,6 +101,7 @@ from zmqpool.limits import (
     MAX_PIECES,
     MAX_REMOTE_CONTROL_BYTES,
     TCP_HANDSHAKE_MS,
+    max_pieced_bytes,
 )
 from zmqpool.protocol import (
     MAX_HOST_CHARS,
@@ -460,9 +461,10 @@ class Worker:
             self.push = self._socket(zmq.PUSH)
             # A PUSH receives nothing: only the handshake's few small commands.
             self._push_watch = self._connect(self.push, results, MAX_BEAT_BYTES)
-        self.beats = beats
-        self.epoch = welcome.epoch
-        self.welcome = welcome
+            # Before the replies held meanwhile go: they are cut by this pool's piece.
+            self.beats = beats
+            self.epoch = welcome.epoch
+            self.welcome = welcome
         self.pool_lost.clear()
         log.info("registered envs %s with the pool at %s", envs, self.router)
 
@@ -914,7 +916,8 @@ class Worker:
         if welcome is not None and largest > welcome.max_frame:
             raise ProtocolError(
                 f"a frame of {largest} bytes (a leaf larger than its spec allows); the pool "
-                f"takes at most {welcome.max_frame} (twice what the specs declare)"
+                f"takes at most {welcome.max_frame} (twice what the specs declare, or its "
+                "limit for remote frames)"
             )
 
     def _check_pieces(self, parts: list[EncodedPart]) -> None:
@@ -922,12 +925,14 @@ class Worker:
         piece = 0 if self.welcome is None else self.welcome.piece
         if not piece:
             return
+        assert self.welcome is not None
         nbytes = sum(part.layout.frames_nbytes for part in parts)
-        room = piece * MAX_PIECES - MAX_HEADER_BYTES
+        whole = min(piece * MAX_PIECES, max_pieced_bytes(self.welcome.max_frame))
+        room = whole - MAX_HEADER_BYTES
         if nbytes > room:
             raise ProtocolError(
                 f"an output of {nbytes} bytes; the pool takes replies of at most {room} "
-                f"({MAX_PIECES} pieces of {piece} bytes, less a header)"
+                f"(in pieces of {piece} bytes, less a header)"
             )
 
     def _push(self, reply: list[Any]) -> None:

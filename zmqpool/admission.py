@@ -33,7 +33,7 @@ from zmqpool.config import PoolConfig
 from zmqpool.errors import NoRoomError, ProtocolError, RegistrationError, VersionMismatchError
 from zmqpool.events import Event, WorkerFailed, WorkerRegistered
 from zmqpool.layout import Layout, max_message_bytes
-from zmqpool.limits import MAX_SPEC_BYTES, described
+from zmqpool.limits import MAX_HEADER_BYTES, MAX_SPEC_BYTES, described
 from zmqpool.policy import Liveness
 from zmqpool.protocol import Failed, FailureKind, Refuse, Register, Welcome
 from zmqpool.remote_failures import RemoteFailures
@@ -479,8 +479,8 @@ class Registrar:
         # What its specs hold bounds the frames this worker sends; a remote one's, the
         # remote side's cap too (`remote_spec` or PoolConfig.max_remote_frame_bytes).
         limit = max_message_bytes(layout for _, _, layout in specs)
-        if remote:
-            limit = min(limit, self.broker.remote_frame_cap)
+        if remote:  # a header may take MAX_HEADER_BYTES whatever the cap
+            limit = min(limit, max(self.broker.remote_frame_cap, MAX_HEADER_BYTES))
         link = Link(
             record.identity,
             os.urandom(16),

@@ -109,8 +109,9 @@ class PoolConfig:
     #: leaves at least this large travel in the pool's commands as their own
     #: zero-copy frame (workers' replies: always 64 KiB).
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
-    #: the largest frame a remote worker's reply may hold (a result's leaf, or
-    #: its header) when the remote slots have no reference spec to size it from
+    #: the largest frame a remote worker's reply may hold (a result's leaf; a
+    #: header may take 1 MiB whatever this says) when the remote slots have no
+    #: reference spec to size it from
     #: (a remote-only pool without ``remote_spec``, or a stack other than
     #: ``"dense"``); a worker answers a larger output with its env's error. The
     #: results port itself takes frames of 1/128 of this (at least 256 KiB), and

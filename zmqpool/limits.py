@@ -159,6 +159,18 @@ REMOTE_CONTROL_QUEUE = 16
 REMOTE_RESULTS_QUEUE = 64
 
 
+def max_pieced_bytes(max_frame: int) -> int:
+    """The most bytes one reply in pieces may join to, from a worker whose frames are at most
+    ``max_frame``: a header, and :data:`MAX_PARTS` parts of at most ``max_frame`` each (a
+    layout's leaves with their headroom). Held before the pieces are joined (the one copy).
+
+    Example:
+        >>> max_pieced_bytes(1 << 20) == 5 << 20
+        True
+    """
+    return MAX_HEADER_BYTES + MAX_PARTS * max_frame
+
+
 def remote_piece_bytes(frame_cap: int) -> int:
     """The remote results port's frame limit, for replies whose frames reach ``frame_cap``.
 

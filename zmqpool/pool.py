@@ -155,7 +155,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             ``specs``). Without it, remote slots are held to the local envs'
             specs (``stack="dense"``), or in a remote-only pool to the first
             remote worker's; with it, a worker bringing other specs is refused
-            before they are built, and the results port is sized from it.
+            before they are built, and remote replies' frames are held to what
+            it implies (the results port then takes pieces of 256 KiB, or 1/128
+            of that: see the README's security notes).
         backend, exchange: torchrl's values are accepted, so that code written
             for torchrl's pool runs unchanged; envs always run in worker
             processes, reached over ZeroMQ.

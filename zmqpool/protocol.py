@@ -278,8 +278,9 @@ class Welcome:
     epoch: bytes
     heartbeat_interval_s: float
     heartbeat_liveness: int
-    #: the largest frame the pool takes from this worker (its results socket's and
-    #: decoder's limit); libzmq drops a larger one with the connection, silently.
+    #: the largest frame the pool takes from this worker (its decoder's limit, and a
+    #: local results socket's: libzmq drops a larger one with the connection, silently;
+    #: a remote one's is ``piece``).
     max_frame: int
     #: the results port's own frame limit, if a frame under ``max_frame`` may still be
     #: over it (a remote port: :func:`~zmqpool.limits.remote_piece_bytes`); a reply with

@@ -144,10 +144,12 @@ during the CURVE handshake. A reply with a larger frame travels as a ``BATCH``
 of that one message (:func:`pieced_message`): the header as above, then its
 joined frame cut into pieces of at most ``piece`` bytes (at most
 :data:`~zmqpool.limits.MAX_PIECES`; a worker answers a larger reply with an
-error). The pool takes pieces only from a remote worker, holds each frame
-listed to the largest its specs imply (WELCOME's ``max_frame``) and their
-sizes to the pieces' bytes, then joins them: one copy, made once every claim
-is checked.
+error). The pool takes pieces only from a remote worker, and one message in
+them; it holds each frame listed to the largest its specs imply (WELCOME's
+``max_frame``), their sizes to the pieces' bytes, and those to a header and
+:data:`~zmqpool.limits.MAX_PARTS` frames of ``max_frame``
+(:func:`~zmqpool.limits.max_pieced_bytes`), then joins them: one copy, made
+once every claim is checked.
 
 Rows joined. Among a worker's kept replies (a batch run inline, or replies
 queued while another env thread sent), the results of envs whose parts have
@@ -219,6 +221,7 @@ from zmqpool.limits import (
     MAX_TOKEN_BYTES,
     described,
     is_int,
+    max_pieced_bytes,
 )
 
 # isort: split
@@ -852,10 +855,11 @@ def split_batch(
     at most :data:`~zmqpool.limits.MAX_MESSAGE_FRAMES` frames each and
     :data:`~zmqpool.limits.MAX_BATCH_FRAMES` in all, whose sizes add up to
     the one joined frame's. With ``max_frame`` (what the peer's frames are
-    held to), the joined frame may come in pieces (:func:`pieced_message`):
-    each frame listed is held to ``max_frame`` and the sizes to the pieces'
-    bytes before the pieces are joined, the one copy made. Raises
-    :class:`ProtocolError`.
+    held to), the joined frame of one message may come in pieces
+    (:func:`pieced_message`): each frame listed is held to ``max_frame``, the
+    sizes to the pieces' bytes and those to
+    :func:`~zmqpool.limits.max_pieced_bytes` before the pieces are joined, the
+    one copy made. Raises :class:`ProtocolError`.
     """
     counts, sizes = _batch_fields(header.body)
     if not 0 < len(counts) <= max_messages:
@@ -864,6 +868,8 @@ def split_batch(
         raise ProtocolError("a batch's frame counts must be positive integers")
     if sum(counts) != len(sizes) or any(not is_int(n) or n < 0 for n in sizes):
         raise ProtocolError("a batch's frame sizes must be one non-negative integer per frame")
+    if len(frames) != 1 and len(counts) != 1:
+        raise ProtocolError(f"a batch in pieces must carry one message, not {len(counts)}")
     joined = _joined_frame(frames, sizes, max_frame)
     views, at = [], 0
     for size in sizes:
@@ -891,6 +897,11 @@ def _joined_frame(frames: Sequence[Any], sizes: list[int], max_frame: int | None
         raise ProtocolError(
             f"a batch in pieces lists a frame of {max(sizes)} bytes; its sender's frames are "
             f"at most {max_frame}"
+        )
+    if nbytes > max_pieced_bytes(max_frame):
+        raise ProtocolError(
+            f"a reply in pieces of {nbytes} bytes; its sender's replies join to at most "
+            f"{max_pieced_bytes(max_frame)}"
         )
     return memoryview(bytearray().join(views))
 
