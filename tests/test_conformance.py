@@ -912,6 +912,27 @@ class TestCountingPool:
         for key in self.COUNTS:
             assert actual[key] == pytest.approx(expected[key]), (key, expected, actual)
 
+    def test_stats_count_sync_calls_as_torchrl_does(self, pair, shm_oracle):
+        """torchrl's sync calls go through its async send and recv: each is a batch of every
+        env, and the action a step's result awaits is timed (a Collector's loop)."""
+
+        def run(p):
+            p.stats(reset=True)
+            td = p.reset().set("action", torch.ones((p.num_envs, 1)))
+            td = p.step(td)
+            td = step_mdp(td).set("action", torch.ones((p.num_envs, 1)))
+            _, root = p.step_and_maybe_reset(td)
+            p.step(root.set("action", torch.ones((p.num_envs, 1))))
+            return p.stats(reset=True), p.num_envs
+
+        (expected, n_e), (actual, n_a) = run(shm_oracle), run(pair.zmq)
+        assert expected["batches"] == 4 and expected["items"] == 4 * n_e, expected
+        per_env = {"items": n_e, "avg_batch_size": n_e}
+        for key in self.COUNTS:
+            scale = n_a / n_e if key in per_env else 1
+            assert actual[key] == pytest.approx(expected[key] * scale), (key, expected, actual)
+        assert expected["avg_batch_to_action_ms"] > 0 and actual["avg_batch_to_action_ms"] > 0
+
     def test_stats_reset_clears(self, pair, shm_oracle):
         (_, expected), (_, actual) = self._stats_calls(shm_oracle), self._stats_calls(pair.zmq)
         assert expected["batches"] == expected["items"] == 0

@@ -453,10 +453,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
         Held whole: a Ctrl-C is raised once every env answered (``interrupts.WHOLE``),
         as the call lets go of its gate; the replies are noted for :func:`_sync_call`.
+        A batch in :meth:`stats`, as torchrl's sync calls are (its async recv).
         """
         with self._settled_on_error(kind), interrupts.WHOLE:
             replies = self._recv(kind, count, None, None, None)
         self.__dict__["_sync_replies"] = replies  # nn.Module's __setattr__ checks skipped
+        ready_at = [(r.env, r.ready_at) for r in replies]
+        self._batch_stats.record_batch(ready_at, None, kind != Kind.RESET)
         return replies
 
     @contextlib.contextmanager

@@ -70,7 +70,9 @@ class BatchStats:
     pools return ``{}``); zmqpool keeps them for every pool:
 
     - ``batches``: recvs that returned results (an env's own channel counts,
-      as a batch of one); ``items``: results they returned;
+      as a batch of one, and a sync ``step``, ``reset`` or
+      ``step_and_maybe_reset`` as one of every env it stepped, as torchrl's
+      sync calls are its async recvs); ``items``: results they returned;
     - ``avg_batch_size``: ``items / batches``;
     - ``batch_fill_ratio``: ``items`` over the capacity asked for (``max_get``
       per recv, or what it returned when ``max_get`` was None);
