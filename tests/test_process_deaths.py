@@ -323,11 +323,25 @@ def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations()
 # ---------------------------------------------------------------- a failed sync call
 
 
-def sync_step(pool, values: list[float]) -> TensorDictBase:
-    return pool.step(TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)]))
+def sync_step(pool, values: list[float], mask: bool = False) -> TensorDictBase:
+    td = TensorDict({"action": torch.tensor(values).unsqueeze(-1)}, [len(values)])
+    if mask:  # every env selected: the pool's masked step calls its step
+        td.set("_step", torch.ones(len(values), dtype=torch.bool))
+    return pool.step(td)
 
 
-@pytest.mark.parametrize("cut_short_by", ["another env's error", "a Ctrl-C"])
+class _Stop(Exception):
+    """What a caller's own SIGINT handler raises instead of KeyboardInterrupt."""
+
+
+def _stop(signum, frame):
+    raise _Stop("the caller's handler")
+
+
+@pytest.mark.parametrize(
+    "cut_short_by",
+    ["another env's error", "a Ctrl-C", "a Ctrl-C in a masked step", "the caller's handler"],
+)
 def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_step(
     cut_short_by,
 ):
@@ -337,11 +351,14 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
     them. Had the next step just stepped the rebuilt env, the caller would go
     on from the observation before the crash with no ``done`` between. The
     truncation is owed instead: the next step answers env 0 with it (done,
-    truncated, the reset observation) and names it in ``last_restarted_envs``.
+    truncated, the reset observation) and names it in ``last_restarted_envs``,
+    once. A Ctrl-C is held to the call's end (a masked step nests a step in
+    it), where the caller's own SIGINT handler may raise what it likes.
     """
     pool = ZMQAsyncEnvPool(
         [FatalEnv] * 2, create_env_kwargs=[{"env_id": i} for i in range(2)], config=QUICK
     )
+    previous = signal.getsignal(signal.SIGINT)
     try:
         pool.reset()
         sync_step(pool, [0.1, 0.1])
@@ -349,14 +366,18 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
             with pytest.raises(EnvError, match="env 1"):
                 sync_step(pool, [0.9, 0.7])
         else:  # env 1 steps for a second: the Ctrl-C comes while the call waits for it
+            if cut_short_by == "the caller's handler":
+                signal.signal(signal.SIGINT, _stop)
             ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
             ctrl_c.start()
             try:
-                with pytest.raises(KeyboardInterrupt):
-                    sync_step(pool, [0.9, 0.5])
+                with pytest.raises((KeyboardInterrupt, _Stop)) as info:
+                    sync_step(pool, [0.9, 0.5], mask=cut_short_by.endswith("masked step"))
+                expected = _Stop if cut_short_by == "the caller's handler" else KeyboardInterrupt
+                assert info.type is expected
             finally:
                 ctrl_c.join(timeout=5)
-        assert restarts(pool) == [1, 0]
+        assert restarts(pool) == [1, 0] and pool.last_restarted_envs == []
         out = sync_step(pool, [0.1, 0.1])
         assert pool.last_restarted_envs == [0]
         assert out["next", "truncated"].tolist() == [[True], [False]]
@@ -365,6 +386,7 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
         assert pool.last_restarted_envs == [] and not out["next", "truncated"].any()
         assert out["next", "observation"][0, 1].item() == 1.0  # on from the reset
     finally:
+        signal.signal(signal.SIGINT, previous)
         pool.close()
 
 

@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
@@ -85,24 +86,43 @@ def _starting(method: _Method) -> _Method:
     return _holding_the_gate(method, starts=True)
 
 
+class _SyncCalls(threading.local):
+    """The sync calls a thread is in on one pool (nested: a masked step calls ``step``),
+    and the replies they took."""
+
+    depth = 0
+    replies: list[Reply]
+
+
 def _sync_call(method: _Method) -> _Method:
-    """A sync call (outside its gate): if a Ctrl-C ends it, the replies it took go with it.
+    """A sync call (outside its gate): if it ends in an exception, the replies it took go too.
 
     A Ctrl-C held back is raised as the gate is let go (:mod:`zmqpool.interrupts`),
-    once the call's result is built: the result is lost, and a restart's
-    truncation in it is owed to the env's next step (:meth:`Runtime.drop_replies`).
+    once the call's result is built; a SIGINT handler of the caller's may raise
+    something else there, and anything raised after the replies came loses
+    them as well. A restart's truncation among them is owed to the env's next
+    step (:meth:`Runtime.drop_replies`), and ``last_restarted_envs`` is left
+    empty: the call that answers with the truncation names the env. Only the
+    outermost call of a thread does this, its nested ones' replies included.
     """
 
     @functools.wraps(method)
     def sync_call(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
-        self.__dict__["_sync_replies"] = []
+        calls = self._sync_calls
+        if calls.depth == 0:
+            calls.replies = []
+        calls.depth += 1
         try:
             return method(self, *args, **kwargs)
-        except KeyboardInterrupt:
-            self._runtime.drop_replies(self._sync_replies)
+        except BaseException:
+            if calls.depth == 1 and calls.replies:
+                self._runtime.drop_replies(calls.replies)
+                self.__dict__["last_restarted_envs"] = []
             raise
         finally:
-            self.__dict__["_sync_replies"] = []
+            calls.depth -= 1
+            if calls.depth == 0:
+                calls.replies = []
 
     return sync_call  # type: ignore[return-value]
 
@@ -249,8 +269,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._batch_stats = BatchStats()
         #: Requests a sync call left in flight when a Ctrl-C stopped its wait, by kind.
         self._interrupted_sync: dict[Kind, int] = {}
-        #: The replies the sync call under way took (:func:`_sync_call`).
-        self._sync_replies: list[Reply] = []
+        #: Each thread's sync calls under way and the replies they took (:func:`_sync_call`).
+        self._sync_calls = _SyncCalls()
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -457,7 +477,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         """
         with self._settled_on_error(kind), interrupts.WHOLE:
             replies = self._recv(kind, count, None, None, None)
-        self.__dict__["_sync_replies"] = replies  # nn.Module's __setattr__ checks skipped
+        calls = self._sync_calls
+        if calls.depth:  # a reset's own (torchrl's reset calls _reset) needs no note
+            calls.replies += replies
         ready_at = [(r.env, r.ready_at) for r in replies]
         self._batch_stats.record_batch(ready_at, None, kind != Kind.RESET)
         return replies
@@ -476,8 +498,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         except (EnvError, EnvLostError):
             self._settle(kind)
             raise
-        except KeyboardInterrupt:  # its requests stay in flight: the next sync call drops them
-            self._interrupted_sync[kind] = self._awaiting(kind)
+        except BaseException:  # a Ctrl-C in a wait (or what the caller's handler raised):
+            self._interrupted_sync[kind] = self._awaiting(kind)  # the next sync call drops them
             raise
 
     def _settle_interrupted(self) -> None:
@@ -499,16 +521,21 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     self._settle(kind)
 
     def _settle(self, kind: Kind) -> None:
-        """Take (and drop) what the batch channel of ``kind`` still awaits, errors included."""
+        """Take (and drop) what the batch channel of ``kind`` still awaits, errors included.
+
+        A restart's truncation among them is owed (:meth:`Runtime.drop_replies`):
+        the call that answers with it names its env in ``last_restarted_envs``.
+        """
         channel: Channel = (kind, None)
         for _ in range(self.num_envs + 1):  # each round takes every reply, or one error
             left = self._runtime.awaiting(channel)
             if not left:
-                return
+                break
             try:
                 self._runtime.drop_replies(self._recv(kind, left, None, None, None))
             except (EnvError, EnvLostError) as err:
                 log.warning("dropped with the failed call: %s", str(err).splitlines()[0])
+        self.__dict__["last_restarted_envs"] = []
 
     def _apply_edits(self, tensordict: TensorDictBase, replies: list[Reply]) -> None:
         """What an env wrote into its input, written into the caller's, as in-process.
