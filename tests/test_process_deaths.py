@@ -355,8 +355,10 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
     once. A Ctrl-C is held to the call's end (a masked step nests a step in
     it), where the caller's own SIGINT handler may raise what it likes.
     """
+    # No fork server is killed here: the session's shared one forks these workers.
+    config = dataclasses.replace(QUICK, share_fork_server=True)
     pool = ZMQAsyncEnvPool(
-        [FatalEnv] * 2, create_env_kwargs=[{"env_id": i} for i in range(2)], config=QUICK
+        [FatalEnv] * 2, create_env_kwargs=[{"env_id": i} for i in range(2)], config=config
     )
     previous = signal.getsignal(signal.SIGINT)
     try:
