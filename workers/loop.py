@@ -922,12 +922,12 @@ class Worker:
 
     def _check_pieces(self, parts: list[EncodedPart]) -> None:
         """Refuse an output too large for the most pieces a reply may come in (wire: pieces)."""
-        piece = 0 if self.welcome is None else self.welcome.piece
-        if not piece:
+        welcome = self.welcome
+        if welcome is None or not welcome.piece:
             return
-        assert self.welcome is not None
+        piece = welcome.piece
         nbytes = sum(part.layout.frames_nbytes for part in parts)
-        whole = min(piece * MAX_PIECES, max_pieced_bytes(self.welcome.max_frame))
+        whole = min(piece * MAX_PIECES, max_pieced_bytes(welcome.max_frame))
         room = whole - MAX_HEADER_BYTES
         if nbytes > room:
             raise ProtocolError(

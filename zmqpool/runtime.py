@@ -631,7 +631,7 @@ class Runtime:
         self.ledger.give_back(channel, replies)
 
     def drop_replies(self, replies: list[Reply]) -> None:
-        """Replies a failed sync call took and never returned (``ZMQAsyncEnvPool._settle``).
+        """Replies a failed sync call took and never returned (its ``_settle``, ``_sync_call``).
 
         A restart's truncation among them is owed still: its env's next step is
         sent as a reset again and answered as a truncation, so the caller learns
