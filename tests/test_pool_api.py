@@ -144,6 +144,19 @@ def test_busy_env_is_refused(pool, fresh):
         pool.async_step_recv(min_get=1, timeout=30)
 
 
+def test_a_sync_reset_refused_for_a_busy_env_leaves_the_callers_async_reset_alone(pool):
+    """The caller's async reset of env 0 is in flight; a sync reset() is refused, and so is
+    one tried again (env 0 is still busy), and the async reset's result comes back."""
+    pool.async_reset_send(env_index=[0])
+    try:
+        for _ in range(2):
+            with pytest.raises(EnvBusyError, match=r"busy: \[0\]"):
+                pool.reset()
+    finally:
+        out = pool.async_reset_recv(min_get=1, timeout=30)
+    assert env_ids(out) == [0]
+
+
 def test_min_get_above_in_flight_is_refused(pool, fresh):
     fresh["action"] = action_for(fresh)
     pool.async_step_send(fresh[[0]], env_index=[0])

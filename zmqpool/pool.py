@@ -88,10 +88,11 @@ def _starting(method: _Method) -> _Method:
 
 class _SyncCalls(threading.local):
     """The sync calls a thread is in on one pool (nested: a masked step calls ``step``),
-    and the replies they took."""
+    the replies they took, and the runtime those came from."""
 
     depth = 0
     replies: list[Reply]
+    runtime: Any = None
 
 
 def _sync_call(method: _Method) -> _Method:
@@ -109,20 +110,24 @@ def _sync_call(method: _Method) -> _Method:
     @functools.wraps(method)
     def sync_call(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
         calls = self._sync_calls
-        if calls.depth == 0:
+        outer = calls.depth == 0
+        if outer:
             calls.replies = []
-        calls.depth += 1
         try:
+            calls.depth += 1  # in the try: a Ctrl-C before it cannot leave the count raised
             return method(self, *args, **kwargs)
         except BaseException:
-            if calls.depth == 1 and calls.replies:
+            # Not if another thread closed the pool and started it again meanwhile:
+            # these replies' envs are not the new runtime's to owe.
+            if outer and calls.replies and calls.runtime is self._runtime:
                 self._runtime.drop_replies(calls.replies)
                 self.__dict__["last_restarted_envs"] = []
             raise
         finally:
-            calls.depth -= 1
-            if calls.depth == 0:
-                calls.replies = []
+            if outer:
+                calls.depth, calls.replies, calls.runtime = 0, [], None
+            else:
+                calls.depth -= 1
 
     return sync_call  # type: ignore[return-value]
 
@@ -475,31 +480,38 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         as the call lets go of its gate; the replies are noted for :func:`_sync_call`.
         A batch in :meth:`stats`, as torchrl's sync calls are (its async recv).
         """
-        with self._settled_on_error(kind), interrupts.WHOLE:
+        with self._settled_on_error(kind, sent=True), interrupts.WHOLE:
             replies = self._recv(kind, count, None, None, None)
         calls = self._sync_calls
         if calls.depth:  # a reset's own (torchrl's reset calls _reset) needs no note
             calls.replies += replies
+            calls.runtime = self._runtime
         ready_at = [(r.env, r.ready_at) for r in replies]
         self._batch_stats.record_batch(ready_at, None, kind != Kind.RESET)
         return replies
 
     @contextlib.contextmanager
-    def _settled_on_error(self, kind: Kind) -> Iterator[None]:
+    def _settled_on_error(self, kind: Kind, sent: bool = False) -> Iterator[None]:
         """A sync call: an env's error is raised once the other envs have answered too.
 
         Their results are dropped, so that the next call finds the pool idle,
         as ``SerialEnv``'s does: raised at once, the error left the others in
         flight, and every sync call after it refused ("Some envs are still
-        processing").
+        processing"). Anything else raised (a Ctrl-C in a wait) leaves what the
+        call sent for the next sync call to drop: all that is awaited if the
+        call has ``sent`` already, or if the channel was idle when it began (a
+        sync call sends only to an idle one); else the call was refused, and
+        what is awaited is the caller's own async requests.
         """
+        ours = sent or not self._awaiting(kind)
         try:
             yield
         except (EnvError, EnvLostError):
             self._settle(kind)
             raise
         except BaseException:  # a Ctrl-C in a wait (or what the caller's handler raised):
-            self._interrupted_sync[kind] = self._awaiting(kind)  # the next sync call drops them
+            if ours:
+                self._interrupted_sync[kind] = self._awaiting(kind)
             raise
 
     def _settle_interrupted(self) -> None:
