@@ -278,10 +278,11 @@ def test_decode_of_encode_is_the_identity(td):
 
 
 @SETTINGS
-@given(parts())
-def test_small_threshold_zero_copy_frames_round_trip_too(td):
-    # Every non-empty leaf in its own frame: the zero-copy path, whatever the sizes.
-    part = send(td, Encoder(zero_copy_threshold=1), Decoder())
+@given(parts(), st.booleans())
+def test_small_threshold_zero_copy_frames_round_trip_too(td, copy_own_frames):
+    # Every non-empty leaf in its own frame: the zero-copy path, whatever the sizes
+    # (and the pool's, which copies those frames at the send).
+    part = send(td, Encoder(zero_copy_threshold=1, copy_own_frames=copy_own_frames), Decoder())
     assert canonical(part.to_tensordict()) == canonical(td)
 
 

@@ -524,3 +524,50 @@ def test_a_recv_on_an_own_channel_takes_one_env(pool, fresh):
         pool.async_step_recv(env_index=[0])
     with pytest.raises(IndexError, match="out of range"):
         pool.async_step_recv(env_index=np.int64(NUM))
+
+
+#: An action of 4 MiB a row: over the 64 KiB from which a leaf travels in a frame of its own.
+LARGE_ACTION = 1 << 20
+
+
+class MeanActionEnv(CountingEnv):
+    """CountingEnv with a large action, whose mean it reports as its last action."""
+
+    def __init__(self, env_id: int = 0) -> None:
+        super().__init__(env_id=env_id)
+        self.action_spec = Unbounded(shape=(LARGE_ACTION,), dtype=torch.float32)
+
+    def _step(self, tensordict):
+        mean = tensordict["action"].mean().reshape(1)
+        return super()._step(tensordict.clone(False).set("action", mean))
+
+
+@pytest.fixture(scope="module")
+def large_action_pool():
+    p = ZMQAsyncEnvPool(
+        MeanActionEnv, create_env_kwargs=[{"env_id": i} for i in range(NUM)], config=FAST
+    )
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("channel", [None, 0], ids=["batch", "own-channel"])
+def test_a_large_action_changed_after_its_send_reaches_the_env_as_sent(large_action_pool, channel):
+    """A command is taken at its send, as torchrl's process pools take it: the caller may
+    reuse the tensor at once. A leaf of 64 KiB or more used to go out as a view of the
+    caller's tensor, read whenever ZeroMQ wrote it: the env got the edit, or part of it."""
+    pool = large_action_pool
+    pool.reset()
+    rows = NUM if channel is None else 1
+    for round_ in range(3):  # a race without the copy: most rounds lose it
+        action = torch.full((rows, LARGE_ACTION), float(round_ + 1))
+        if channel is None:
+            pool.async_step_send(TensorDict({"action": action}, [rows]), env_index=[0, 1])
+        else:
+            pool.async_step_send(TensorDict({"action": action[0]}, []), env_index=channel)
+        action.fill_(-7.0)  # the caller's next action, written into the same tensor
+        if channel is None:
+            out = pool.async_step_recv(min_get=rows, timeout=30)
+        else:
+            out = pool.async_step_recv(env_index=channel, timeout=30).unsqueeze(0)
+        assert out["next", "observation"][:, 2].tolist() == [round_ + 1.0] * rows

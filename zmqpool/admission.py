@@ -487,7 +487,7 @@ class Registrar:
             reg.pid,
             reg.incarnation,
             Decoder(_REMOTE_LAYOUTS if remote else 256, limit, own_small_frames=True),
-            Encoder(self.config.zero_copy_threshold_bytes),
+            Encoder(self.config.zero_copy_threshold_bytes, copy_own_frames=True),
             record.envs,
             remote,
             record.key,

@@ -39,9 +39,11 @@ class RowPacker:
 
     What :meth:`Encoder.encode` would make of each row, as a
     :class:`DecodedPart` whose buffers are the frames: small leaves are copied
-    column by column into one ``(rows, packed_nbytes)`` array, large ones stay
-    views of the batch. Batches with non-tensor values or nested batch sizes
-    are left to per-row tensordicts (``pack`` returns None).
+    column by column into one ``(rows, packed_nbytes)`` array, each large one
+    into an array of its own (the pool's commands: the caller may change the
+    batch once the send returns), its rows' frames views of it. Batches with
+    non-tensor values or nested batch sizes are left to per-row tensordicts
+    (``pack`` returns None).
 
     Example:
         >>> from tensordict import TensorDict
@@ -100,7 +102,7 @@ def _split_rows(layout: Layout, columns: list[np.ndarray], rows: int) -> list[De
     packed = np.zeros((rows, size), dtype=np.uint8)
     for leaf, column in zip(leaves, columns, strict=True):
         if leaf.own_frame:
-            own.append(column)
+            own.append(column.copy())  # C order: each row a contiguous view of the copy
         else:
             packed[:, leaf.offset : leaf.offset + leaf.nbytes] = column
     has_packed = len(own) < len(leaves)

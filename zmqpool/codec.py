@@ -105,10 +105,19 @@ class Encoder:
     One encoder per connection: a layout is announced in full the first time
     it is used and referred to by id afterwards. ``forget()`` after the peer
     was replaced (a re-registration), so layouts are announced again.
+
+    A leaf of ``zero_copy_threshold`` bytes or more gets a frame of its own.
+    ``copy_own_frames=False`` (a worker's replies) sends it without a copy:
+    ZeroMQ reads the tensor when it writes the message out, later. ``True``
+    (the pool's commands) copies it here: a caller's tensor is the caller's
+    to change once the send returns, and the env must get it as it was then.
     """
 
-    def __init__(self, zero_copy_threshold: int = ZERO_COPY_THRESHOLD) -> None:
+    def __init__(
+        self, zero_copy_threshold: int = ZERO_COPY_THRESHOLD, copy_own_frames: bool = False
+    ) -> None:
         self.zero_copy_threshold = zero_copy_threshold
+        self.copy_own_frames = copy_own_frames
         # signature (a tensordict's) or Layout (a packed part's) -> (layout id, layout)
         self._ids: dict[tuple | Layout, tuple[int, Layout]] = {}
         self._announced: set[int] = set()
@@ -151,7 +160,7 @@ class Encoder:
                 casts = layout.notes[dtypes.key] = () if flat.classes else dtypes.casts(layout)
             if casts:  # an env off its specs' dtypes: rare, and not the cheapest path
                 return self.encode(_cast(td, casts))
-        frames = _pack(layout, [t for _, t in tensors])
+        frames = _pack(layout, [t for _, t in tensors], self.copy_own_frames)
         values = [_plain(v, k) for k, v in zip(flat.nontensor_keys, flat.nontensor, strict=True)]
         announced = None if layout_id in self._announced else self._announce(layout_id, layout)
         return EncodedPart(layout_id, announced, frames, values or None, layout)
@@ -444,7 +453,7 @@ def _numpy_scalars_as_python(data: Any, depth: int) -> Any:
 _MAX_PLAIN_DEPTH = 256
 
 
-def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:
+def _pack(layout: Layout, tensors: list[torch.Tensor], copy_own: bool) -> list[Any]:
     # Through numpy: a tensor's array is one call, where torch dispatches a
     # handful of ops per leaf (~50 us for five small leaves, ~10 us this way).
     arrays = [as_array(t) for t in tensors]
@@ -457,8 +466,9 @@ def _pack(layout: Layout, tensors: list[torch.Tensor]) -> list[Any]:
                 pieces.append(padding)
             pieces.append(arrays[index].tobytes())  # C order, whatever the strides
         frames.append(b"".join(pieces))
-    for index in own:
-        frames.append(np.ascontiguousarray(arrays[index]))  # sent without a copy
+    for index in own:  # sent as it is (copy_own: a copy, made now); a 0-d leaf as 1-d
+        frame = np.ascontiguousarray(arrays[index])
+        frames.append(frame.copy() if copy_own else frame)
     return frames
 
 

@@ -95,8 +95,8 @@ class PoolConfig:
     heartbeat_interval_s: float = 1.0
     #: missed heartbeats after which a worker is declared silent.
     heartbeat_liveness: int = 10
-    #: more than this many restarts of one env within ``restart_window_s``
-    #: is a crash loop and raises.
+    #: restarts of one env within ``restart_window_s``: its next death there
+    #: (more than this many deaths) is a crash loop and raises.
     max_restarts: int = 5
     restart_window_s: float = 60.0
     #: first restart delay, doubled for each restart within the window, up

@@ -153,7 +153,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         stack: ``"dense"``, ``"maybe_dense"`` or ``"lazy"`` (heterogeneous envs).
         create_env_kwargs: a dict, or one dict per env.
         envs_per_worker: envs hosted by each worker process.
-        worker_affinity: one CPU mask per worker, or a callable ``worker -> mask``.
+        worker_affinity: one set of CPU indices per worker, or a callable
+            ``worker -> set of CPU indices``.
         config: timings and limits (:class:`~zmqpool.PoolConfig`).
         on_env_error: ``"raise"`` (an env exception raises in recv, naming the
             env, with its traceback) or ``"restart"`` (handled like a crash:
@@ -671,8 +672,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
         ``timeout`` is a deadline for the whole call: fewer than ``min_get``
         results by then raises ``TimeoutError`` (they stay for the next call);
-        once ``min_get`` are in, the call keeps collecting until the deadline
-        or ``max_get`` results, as torchrl documents (deadline batching).
+        once ``min_get`` are in, the call keeps collecting until the deadline,
+        ``max_get`` results, or every request in flight answered, as torchrl
+        documents (deadline batching).
         """
         return self._results(Kind.STEP, min_get, env_index, max_get, timeout)[0]
 
