@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -470,6 +472,29 @@ class OffSpecDtypesEnv(ZMQCountingEnv):
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         return _off_dtypes(super()._step(tensordict))
+
+
+class ResetKeywordsEnv(ZMQCountingEnv):
+    """A CountingEnv whose reset takes gymnasium's keywords: ``seed`` (reported as its seed)
+    and ``options={"start": n}`` (its step count starts at ``n``).
+
+    ``options={"exit_once": path}``: the process exits in the reset, unless
+    ``path`` exists (made then): a worker that dies once, mid-reset.
+    """
+
+    def _reset(self, tensordict=None, seed=None, options=None) -> TensorDictBase:
+        if options and "exit_once" in options:
+            marker = pathlib.Path(options["exit_once"])
+            if not marker.exists():
+                marker.touch()
+                os._exit(1)
+        if seed is not None:
+            self.seed = int(seed)
+        out = super()._reset(tensordict)
+        if options and "start" in options:
+            self.count = int(options["start"])
+            out["observation"] = self._observation(0.0)
+        return out
 
 
 class DefaultDtypeEnv(ZMQCountingEnv):

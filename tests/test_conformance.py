@@ -56,6 +56,7 @@ from tests.conformance import (
     ExtraKeyEnv,
     OffSpecDtypesEnv,
     RaisingEnv,
+    ResetKeywordsEnv,
     WideActionEnv,
     assert_same_error,
     assert_same_spec,
@@ -1750,3 +1751,84 @@ def test_envs_whose_specs_differ_in_values_only_stack_densely_as_in_torchrls_poo
         ["step", "step_and_maybe_reset", "its root"], expected, got, strict=True
     ):
         assert_same_td(want, have, name)
+
+
+class TestResetKeywords:
+    """``reset(seed=..., options=...)`` and ``list_of_kwargs`` reach each env's reset.
+
+    SerialEnv is the oracle: it hands them to each env's reset (``list_of_kwargs``
+    one dict per env, the other keywords added to each). torchrl's pool drops
+    them, so ``reset(seed=3)`` did nothing there, nor here before.
+    """
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pool_pair(cls):
+        makers = [functools.partial(ResetKeywordsEnv, env_id=i) for i in range(2)]
+        yield from serve(SerialEnv(2, makers), lambda: ZMQAsyncEnvPool(makers, config=FAST))
+
+    @pytest.fixture
+    def pair(self, pool_pair) -> Pair:
+        return pool_pair.settle()
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {"seed": 3},
+            {"seed": 4, "options": {"start": 5}},
+            {"list_of_kwargs": [{"seed": 1}, {"seed": 2, "options": {"start": 7}}]},
+            {"list_of_kwargs": [{"seed": 1}, {}], "options": {"start": 2}},
+        ],
+        ids=["seed", "seed-options", "list", "list-and-common"],
+    )
+    def test_reset_keywords_reach_each_env(self, pair, kwargs):
+        o, z = pair.both(lambda p: p.reset(**kwargs))
+        assert_same_td(o, z, f"reset(**{kwargs})", exclude=[ENV_INDEX])
+        seeds = [int(s) for s in z["observation"][:, 3]]
+        assert seeds != [-1, -1]  # the keywords did something (ResetKeywordsEnv's doc)
+
+    def test_reset_keywords_reach_the_envs_through_a_transform(self, pair):
+        # TransformedEnv's reset calls the pool's _reset (torchrl's RESET_RAW path).
+        o, z = pair.both(lambda p: TransformedEnv(p, StepCounter()).reset(seed=6))
+        assert_same_td(o, z, "TransformedEnv(pool).reset(seed=6)", exclude=[ENV_INDEX])
+        assert z["observation"][:, 3].tolist() == [6.0, 6.0]
+
+    def test_a_reset_sent_again_after_its_worker_died_keeps_its_keywords(self, pair, tmp_path):
+        # The reset kills env 0's worker; the restarted one gets the same command.
+        pool = pair.zmq
+        restarts = pool.env_stats()[0]["restarts"]
+        options = [{"options": {"exit_once": str(tmp_path / "died"), "start": 3}}, {}]
+        out = pool.reset(seed=8, list_of_kwargs=options)
+        assert out["observation"].tolist() == [[0.0, 3.0, 0.0, 8.0], [1.0, 0.0, 0.0, 8.0]]
+        assert pool.env_stats()[0]["restarts"] == restarts + 1
+
+    def test_reset_keywords_reach_the_envs_a_mask_selects(self, pair):
+        def masked(p):
+            td = p.reset(seed=1)  # env 0, left out, reports this seed on both
+            td["_reset"] = torch.tensor([[False], [True]])
+            return p.reset(td, seed=9, options={"start": 4})
+
+        o, z = pair.both(masked)
+        assert_same_td(o, z, "reset(mask, seed=9)", exclude=[ENV_INDEX])
+        assert z["observation"][1, 1:4].tolist() == [4.0, 0.0, 9.0]
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error", "match"),
+        [
+            ({"seed": object()}, ValueError, "reset keyword 'seed' of env 0 of type object"),
+            ({"options": {"x": "a" * 20000}}, ValueError, "over the 16384"),
+            ({"list_of_kwargs": [{}]}, ValueError, "1 dicts for a pool of 2 envs"),
+            ({"list_of_kwargs": [{}, {1: 2}]}, TypeError, "env 1 must be a dict of names"),
+        ],
+        ids=["not-plain", "too-large", "count", "names"],
+    )
+    def test_reset_keywords_that_cannot_cross_are_refused_before_sending(
+        self, pair, kwargs, error, match
+    ):
+        pool = pair.zmq
+        before = pool.reset(seed=5)
+        with pytest.raises(error, match=match):
+            pool.reset(**kwargs)
+        assert not awaited(pool)
+        after = pool.step(before.set("action", torch.ones(2, 1)))
+        assert after["next", "observation"][:, 1].tolist() == [1.0, 1.0]  # nothing reset them

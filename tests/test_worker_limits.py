@@ -28,6 +28,7 @@ import torch
 import zmq
 from tensordict import TensorDict
 
+from tests.conformance import ResetKeywordsEnv
 from tests.test_fuzz_live import FakePush
 from tests.test_worker_hardening import (
     MAX_GROWTH_MB,
@@ -212,6 +213,31 @@ def test_a_reply_over_its_piece_goes_cut_and_one_over_every_piece_is_its_envs_er
         [failed] = headers_of(error)
         assert (failed.command, failed.env) == (Command.ERROR, 1)
         assert "the pool takes replies of at most" in Failed.from_body(failed.body).err
+    finally:
+        worker.close()
+
+
+# ---------------------------------------------------------------- a reset's keywords
+
+
+def test_a_resets_keywords_reach_its_env_and_keywords_not_of_names_are_its_error(tmp_path):
+    """A RESET's body ``"kw"`` (wire): the env's reset gets it as keywords; a body whose
+    ``"kw"`` is not a map of names is that request's error, and the worker serves on."""
+    worker = Worker(
+        router=f"ipc://{tmp_path}/nobody", identity=b"w0", host=EnvHost({0: ResetKeywordsEnv()})
+    )
+    push = FakePush()
+    worker.push = push  # type: ignore[assignment]
+    try:
+        bodies = [{"kw": {"seed": 4, "options": {"start": 2}}}, {"kw": [4]}, {"kw": {1: 4}}]
+        for seq, body in enumerate(bodies, 1):
+            assert worker.handle([Header(Command.RESET, 0, seq, body=body).encode()])
+        good, *bad = [header for message in push.sent for header in headers_of(message)]
+        assert (good.command, good.seq) == (Command.RESULT, 1)
+        [part] = Decoder().decode(good, push.sent[0][1:])
+        assert part.to_tensordict()["observation"].tolist() == [0.0, 2.0, 0.0, 4.0]
+        assert [(h.command, h.seq) for h in bad] == [(Command.ERROR, 2), (Command.ERROR, 3)]
+        assert all("keywords must be a map of names" in Failed.from_body(h.body).err for h in bad)
     finally:
         worker.close()
 

@@ -197,11 +197,24 @@ def _step_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) 
 
 
 def _reset(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    return [env.reset(_none_if_empty(td))]
+    return [env.reset(_none_if_empty(td), **_reset_kwargs(body))]
 
 
 def _reset_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
-    return [env._reset(_none_if_empty(td))]
+    return [env._reset(_none_if_empty(td), **_reset_kwargs(body))]
+
+
+def _reset_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's reset keywords (``pool.reset(seed=...)``), handed on as SerialEnv does."""
+    kwargs = body.get("kw")
+    if kwargs is None:
+        return _NO_KWARGS
+    if type(kwargs) is not dict or not all(type(name) is str for name in kwargs):
+        raise ProtocolError("a reset's keywords must be a map of names")
+    return kwargs
+
+
+_NO_KWARGS: dict[str, Any] = {}
 
 
 def _none_if_empty(td: TensorDictBase | None) -> TensorDictBase | None:

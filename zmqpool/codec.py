@@ -381,7 +381,7 @@ def check_crossable(td: TensorDictBase) -> None:
             )
     packed = 0
     for key, value in zip(flat.nontensor_keys, flat.nontensor, strict=True):
-        packed += _plain_and_size(value, key)[1]
+        packed += plain_and_size(value, key)[1]
     if packed > MAX_NONTENSOR_BYTES:
         raise ProtocolError(
             f"the non-tensor values of one env's input pack to {packed} bytes; a message "
@@ -393,16 +393,21 @@ def check_crossable(td: TensorDictBase) -> None:
 
 def _plain(value: Any, path: Key) -> Any:
     """``value``'s data, if msgpack carries it there and back; else a :class:`ProtocolError`."""
-    return _plain_and_size(value, path)[0]
+    return plain_and_size(value, path)[0]
 
 
-def _plain_and_size(value: Any, path: Key) -> tuple[Any, int]:
+def plain_and_size(value: Any, path: Key) -> tuple[Any, int]:
     """:func:`_plain`, and the size it packs to.
 
     Packing is not enough: ``{(1, 2): 0}`` packs, but its key comes back as a
     list, which cannot key a dict, and the peer would drop the whole message.
     """
     data = value.tolist() if isinstance(value, NonTensorStack) else getattr(value, "data", value)
+    return plain_data_and_size(data, path)
+
+
+def plain_data_and_size(data: Any, path: Key) -> tuple[Any, int]:
+    """:func:`plain_and_size` of data itself (a non-tensor's value, a reset keyword's)."""
     try:
         return data, _packed_size(data)
     except (TypeError, ValueError, OverflowError):

@@ -33,6 +33,10 @@ MAX_CONTROL_BYTES = MAX_HEADER_BYTES - 64
 #: they travel in the header, with room left for its fields and layouts. (A
 #: worker's reply is held to the header limit itself, layouts and all.)
 MAX_NONTENSOR_BYTES = MAX_HEADER_BYTES - (64 << 10)
+#: What one env's reset keywords (``reset(seed=..., options=...)``) may pack to:
+#: they travel in the RESET's header too, beside its non-tensor values, in the
+#: room :data:`MAX_NONTENSOR_BYTES` leaves.
+MAX_RESET_KWARGS_BYTES = 16 << 10
 #: The longest session token a header may carry (the pool's are shorter).
 MAX_TOKEN_BYTES = 64
 #: The most tensordict parts one message carries (a reply has one or two).

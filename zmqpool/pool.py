@@ -60,7 +60,7 @@ from zmqpool.partial import (
 from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
-from zmqpool.validation import step_input_spec
+from zmqpool.validation import reset_kwargs, step_input_spec
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
@@ -449,21 +449,41 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_starting
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
-        """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises."""
+        """torchrl's hook (``TransformedEnv`` calls it), the pool left idle if an env raises.
+
+        Keywords (``seed=``, ``options=``, ``list_of_kwargs=``) reach each env's
+        reset as ``SerialEnv`` hands them out (:func:`~zmqpool.validation.reset_kwargs`);
+        torchrl's pool drops them.
+        """
         self._settle_interrupted()
         with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
+            keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
             envs = None
             if tensordict is not None:
                 envs = envs_to_reset(tensordict, self.reset_keys, self.num_envs)
-            if envs is None:
-                return super()._reset(tensordict, **kwargs)
-            return self._partial_reset(tensordict, envs)
+            if envs is None and keywords is None:
+                return super()._reset(tensordict)
+            if envs is None:  # torchrl's _reset, with each env's keywords
+                assert keywords is not None
+                return self._reset_every_env(Command.RESET_RAW, tensordict, keywords)
+            return self._partial_reset(tensordict, envs, keywords)
 
-    def _partial_reset(self, tensordict: TensorDictBase, envs: list[int]) -> TensorDictBase:
+    def _reset_every_env(
+        self, command: Command, tensordict: TensorDictBase | None, keywords: list[dict]
+    ) -> TensorDictBase:
+        """torchrl's reset of every env (``reset``, or ``_reset`` for RESET_RAW), each env's
+        keywords in its command."""
+        self._send(command, tensordict, list(range(self.num_envs)), True, keywords)
+        return self.async_reset_recv(min_get=self.num_envs)
+
+    def _partial_reset(
+        self, tensordict: TensorDictBase, envs: list[int], keywords: list[dict] | None
+    ) -> TensorDictBase:
         """``_reset`` of the envs a ``"_reset"`` mask selects, only (:mod:`zmqpool.partial`)."""
         reset_rows = None
         if envs:
-            self._send(Command.RESET_RAW, tensordict[envs], envs, True)
+            kept = None if keywords is None else [keywords[env] for env in envs]
+            self._send(Command.RESET_RAW, tensordict[envs], envs, True, kept)
             reset_rows = self._assembler.stack_next(self._recv_every_env(Kind.RESET, len(envs)))
         zeros = self.full_observation_spec.zero()  # SerialEnv's for an env it does not reset
         if self.stack == "dense":
@@ -592,7 +612,10 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         As ``SerialEnv`` refuses it (``RuntimeError``), before anything is sent:
         torchrl's pool sends it and then waits for more envs than it reset, and
         the pool stays busy. With a ``"_reset"`` mask that leaves some envs out,
-        only the envs it selects are reset, as by ``SerialEnv``.
+        only the envs it selects are reset, as by ``SerialEnv``. Keywords
+        (``seed=``, ``options=``, ``list_of_kwargs=``) reach each env's reset as
+        ``SerialEnv`` hands them out (:func:`~zmqpool.validation.reset_kwargs`);
+        torchrl's pool drops them.
         """
         if tensordict is not None:
             self._assert_tensordict_shape(tensordict)
@@ -600,9 +623,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 # A "_reset" mask: EnvBase's reset, as SerialEnv's, whose _reset resets the
                 # envs it selects only. torchrl's pool resets every env (zmqpool.partial).
                 return EnvBase.reset(self, tensordict, **kwargs)
+        keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
         self._settle_interrupted()
         with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
-            return super().reset(tensordict, **kwargs)
+            if keywords is None:
+                return super().reset(tensordict)
+            return self._reset_every_env(Command.RESET, tensordict, keywords)
 
     def _check_idle(self, kind: Kind) -> None:
         self._settle_interrupted()
@@ -618,6 +644,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         tensordict: TensorDictBase | None,
         env_index: int | list[int] | None,
         make_if_none: bool,
+        kwargs: list[dict[str, Any]] | None = None,
     ) -> None:
         env_index = self._indexer.arg(env_index)
         tensordict, env_idx = self._indexer.batch(tensordict, env_index, make_if_none)
@@ -638,7 +665,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # The payload is the input too: a result is rebuilt from what was sent.
         # Every payload is built (and refused if it cannot cross the wire) before any is sent.
         payloads = self._assembler.payloads(tensordict)
-        self._runtime.send_all(env_idx, command, payloads, per_env)
+        bodies = None if kwargs is None else [{"kw": each} for each in kwargs]
+        self._runtime.send_all(env_idx, command, payloads, per_env, bodies)
         if kind != Kind.RESET:
             self._batch_stats.record_actions(env_idx)
         if not per_env:

@@ -497,9 +497,9 @@ class Runtime:
         else:
             part = link.encoder.encode(payload)
             parts, largest = [part], part.layout.largest_frame  # its frames are laid out so
-            if (part.nontensor or part.new_layout is not None) and not self._header_fits(
-                env, pending, link, parts
-            ):
+            if (
+                part.nontensor or part.new_layout is not None or pending.body is not None
+            ) and not self._header_fits(env, pending, link, parts):
                 return
         if largest > link.decoder.max_frame_bytes:
             # Its worker's socket takes frames as large as its specs imply (with headroom),
@@ -539,9 +539,16 @@ class Runtime:
         outbox.add(link, (pending.command, env, pending.seq, part))
 
     def send_all(
-        self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool
+        self,
+        envs: Sequence[int],
+        command: Command,
+        payloads: Sequence[Any],
+        per_env: bool,
+        bodies: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         """:meth:`send` for each env, in one message per worker where several go to one.
+
+        ``bodies``: each env's header body (a reset's keywords), if any.
 
         Rows of one command and layout join into one COMMANDS (wire: rows joined);
         the rest of a worker's messages go as a BATCH.
@@ -552,11 +559,11 @@ class Runtime:
         if len(envs) == 1 or not self.roster.batching:
             # Nothing to batch. Held back to the end, commands would also reach
             # their workers later (measured: ~4% of a cheap env's steps/s).
-            self._send_each(envs, command, payloads, per_env)
+            self._send_each(envs, command, payloads, per_env, bodies)
             return
         outbox = self._outbox = Outbox()
         try:
-            self._send_each(envs, command, payloads, per_env)
+            self._send_each(envs, command, payloads, per_env, bodies)
         finally:
             self._outbox = None
             for link, messages in outbox.messages(self.hold_replies):
@@ -565,13 +572,22 @@ class Runtime:
                     self.broker.route(link.identity, frames, link.remote)
 
     def _send_each(
-        self, envs: Sequence[int], command: Command, payloads: Sequence[Any], per_env: bool
+        self,
+        envs: Sequence[int],
+        command: Command,
+        payloads: Sequence[Any],
+        per_env: bool,
+        bodies: Sequence[dict[str, Any]] | None,
     ) -> None:
         """:meth:`send` for each env in turn (each recorded, then sent, before the next)."""
         now = time.monotonic()  # one call's requests are opened at one time
         open_request, dispatch = self.ledger.open_request, self.dispatch
-        for env, payload in zip(envs, payloads, strict=True):
-            dispatch(env, open_request(env, command, per_env, payload, payload, None, now))
+        if bodies is None:  # every step's
+            for env, payload in zip(envs, payloads, strict=True):
+                dispatch(env, open_request(env, command, per_env, payload, payload, None, now))
+        else:
+            for env, payload, body in zip(envs, payloads, bodies, strict=True):
+                dispatch(env, open_request(env, command, per_env, payload, payload, body, now))
         self.supervisor.note_sent(now)
 
     def revoke(self, key: str) -> list[int]:
@@ -602,7 +618,7 @@ class Runtime:
         message as malformed, leaving the request unanswered.
         """
         try:
-            check_header_room(parts)
+            check_header_room(parts, pending.body)
         except ProtocolError as err:
             link.encoder.retract(parts)  # not sent: announced again with the next use
             self.ledger.answer_now(env, pending, EnvError(env, f"the input cannot be sent: {err}"))

@@ -16,6 +16,11 @@ naming what is wrong:
 - :class:`~zmqpool.errors.MissingKeyError` (a ``ValueError`` and the
   ``KeyError`` the env would raise): a missing action key.
 
+A reset's keywords (:func:`reset_kwargs`) must be a dict of names to plain
+data (what msgpack carries there and back), as small as a header allows:
+a ``TypeError`` or :class:`~zmqpool.errors.ProtocolError` (a ``ValueError``)
+names what is not.
+
 With ``strict=True`` (``PoolConfig(strict_inputs=True)``), an opt-in, an
 action (or a state entry, when present) of another dtype or shape than the
 spec is refused as well, as ``ValueError``.
@@ -35,13 +40,16 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from zmqpool.errors import BatchSizeMismatchError, InputError, MissingKeyError
+from zmqpool.codec import plain_data_and_size
+from zmqpool.errors import BatchSizeMismatchError, InputError, MissingKeyError, ProtocolError
+from zmqpool.limits import MAX_RESET_KWARGS_BYTES
 
 __all__ = [
     "StepInputSpec",
     "check_env_indices",
     "check_step_input",
     "env_index_arg",
+    "reset_kwargs",
     "step_input_spec",
 ]
 
@@ -424,3 +432,51 @@ def step_input_spec(input_spec: Any, num_envs: int, strict: bool = False) -> Ste
         cached = (input_spec, StepInputSpec(input_spec, num_envs, strict))
         _CACHE[key] = cached
     return cached[1]
+
+
+def reset_kwargs(kwargs: dict[str, Any], num_envs: int) -> list[dict[str, Any]] | None:
+    """Each env's keywords for its reset, as ``SerialEnv`` hands them out; None if none has any.
+
+    ``reset(seed=3)`` gives every env ``seed=3``; ``list_of_kwargs`` (one dict
+    per env) gives each its own, the other keywords added to each (the
+    caller's dicts are not changed, where ``SerialEnv`` updates them). Each
+    env's travel in its command's header, so they must be plain data.
+
+    Example:
+        >>> reset_kwargs({"list_of_kwargs": [{"seed": 1}, {}], "options": None}, 2)
+        [{'seed': 1, 'options': None}, {'options': None}]
+        >>> reset_kwargs({}, 2) is None
+        True
+    """
+    kwargs = dict(kwargs)
+    per_env = kwargs.pop("list_of_kwargs", None)
+    if per_env is None:
+        per_env = [kwargs] * num_envs
+    elif len(per_env) != num_envs:
+        raise InputError(f"list_of_kwargs has {len(per_env)} dicts for a pool of {num_envs} envs")
+    else:
+        per_env = [{**_names_to_values(each, env), **kwargs} for env, each in enumerate(per_env)]
+    if not any(per_env):
+        return None
+    return [_crossing(_names_to_values(each, env), env) for env, each in enumerate(per_env)]
+
+
+def _names_to_values(kwargs: Any, env: int) -> dict[str, Any]:
+    if not isinstance(kwargs, dict) or not all(type(name) is str for name in kwargs):
+        raise TypeError(
+            f"the reset keywords of env {env} must be a dict of names, not {kwargs!r:.80}"
+        )
+    return kwargs
+
+
+def _crossing(kwargs: dict[str, Any], env: int) -> dict[str, Any]:
+    data, size = {}, 0
+    for name, value in kwargs.items():  # each checked on its own, to name the one refused
+        data[name], packed = plain_data_and_size(value, (f"reset keyword {name!r} of env {env}",))
+        size += packed
+    if size > MAX_RESET_KWARGS_BYTES:
+        raise ProtocolError(
+            f"the reset keywords of env {env} pack to {size} bytes, over the "
+            f"{MAX_RESET_KWARGS_BYTES} a command's header carries: they cannot cross the wire"
+        )
+    return data

@@ -35,7 +35,8 @@ A message is a list of frames::
 - ``layouts`` (list of int): one layout id per tensordict part carried.
 - ``body`` (map or nil): the rare fields: ``"L"`` new layouts ``{id: layout}``,
   ``"nt"`` non-tensor values per part, ``"err"``/``"tb"`` an error and its
-  traceback, ``"reg"`` registration data, ``"seed"``.
+  traceback, ``"reg"`` registration data, ``"seed"``, ``"kw"`` a reset's
+  keywords (a map of names to plain data).
 
 A tensordict part is described by a :class:`~zmqpool.layout.Layout`, sent in
 full once (in ``body["L"]``, the first time its id is used on a connection) and
@@ -254,7 +255,9 @@ if TYPE_CHECKING:
 #: 10: a remote worker's reply with a frame over its results port's limit travels
 #: in pieces (WELCOME's ``piece``; a BATCH whose joined frame is cut), which a
 #: version-9 pool drops; the port's limit is a piece's, not the largest reply's.
-PROTOCOL_VERSION = 10
+#: 11: a RESET or RESET_RAW may carry the caller's reset keywords (body ``"kw"``),
+#: which a version-10 worker would leave out of the env's reset.
+PROTOCOL_VERSION = 11
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
@@ -266,10 +269,10 @@ class Command(enum.IntEnum):
 
     # pool -> worker, on the broker's ROUTER
     STEP = 1  # env.step(td), reply: the "next" subtree
-    RESET = 2  # env.reset(td), reply: the reset tensordict
+    RESET = 2  # env.reset(td, **body["kw"]), reply: the reset tensordict
     STEP_AND_MAYBE_RESET = 3  # reply: "next" subtree, then the next root
     STEP_RAW = 4  # env._step(td) (torchrl's private path), reply: its output
-    RESET_RAW = 5  # env._reset(td), reply: its output
+    RESET_RAW = 5  # env._reset(td, **body["kw"]), reply: its output
     SEED = 6  # env.set_seed(body["seed"], body["static"]), reply: {"next_seed": what it returned}
     CLOSE = 7  # shut down
     WELCOME = 8  # registration accepted: body["reg"] has token and env indices
@@ -486,15 +489,17 @@ def message_frames(
     return frames
 
 
-def check_header_room(parts: Sequence[EncodedPart]) -> None:
-    """Raise :class:`ProtocolError` if a message of ``parts`` would have a header a peer drops.
+def check_header_room(parts: Sequence[EncodedPart], body: dict[str, Any] | None = None) -> None:
+    """Raise :class:`ProtocolError` if a message of ``parts`` (and ``body``) would have a
+    header a peer drops.
 
-    Only non-tensor data and announced layouts make a header large; a peer
-    drops a header over :data:`MAX_HEADER_BYTES` as malformed, and the
-    request it answers with it. Packs the header once more, and only then.
+    Only non-tensor data, announced layouts and a body (a reset's keywords)
+    make a header large; a peer drops a header over :data:`MAX_HEADER_BYTES`
+    as malformed, and the request it answers with it. Packs the header once
+    more, and only then.
     """
-    if any(p.nontensor or p.new_layout is not None for p in parts):
-        size = len(message_frames(Command.RESULT, 0, 0, bytes(MAX_TOKEN_BYTES), None, parts)[0])
+    if body is not None or any(p.nontensor or p.new_layout is not None for p in parts):
+        size = len(message_frames(Command.RESULT, 0, 0, bytes(MAX_TOKEN_BYTES), body, parts)[0])
         if size > MAX_HEADER_BYTES - _HEADER_SLACK:
             raise _header_too_large(size)
 
