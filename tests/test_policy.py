@@ -60,12 +60,25 @@ def test_silence_is_told_least_recently_heard_first_whatever_order_the_times_com
     assert live.silent(now=4.1) == ["a", "b"]
 
 
-def test_after_a_pause_every_worker_starts_afresh_and_the_order_holds():
+def test_silence_adds_up_across_the_trainers_pauses():
+    """Polls of 0.9 s between pauses of 4.1 s, each shorter than the 2 s timeout: a worker
+    heard from no more is silent after the third poll began. Before, each pause gave
+    it a fresh start, and it was never found."""
+    live = Liveness(timeout_s=2.0, pause_s=1.0)
+    live.heard("w0", now=0.0)
+    for start in (0.0, 5.0, 10.0):
+        live.listening(now=start)
+        assert live.silent(now=start) == []
+        live.listening(now=start + 0.9)  # the poll's end; then the trainer's own work
+    assert live.silent(now=10.5) == ["w0"]  # 0.9 + 0.9 + 0.5 s of listening
+
+
+def test_after_a_pause_the_order_holds():
     live = Liveness(timeout_s=1.0, pause_s=1.0)
     live.heard("a", now=0.0)
     live.listening(now=0.0)
     live.heard("b", now=0.5)
-    live.listening(now=10.0)  # the trainer was away: both start at 10
+    live.listening(now=10.0)  # the trainer was away: both resume at 10 (b's 0.5 is clipped)
     live.heard("a", now=10.5)
     assert live.silent(now=11.2) == ["b"]
     assert live.silent(now=11.6) == ["b", "a"]

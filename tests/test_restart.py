@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -344,6 +345,50 @@ def test_a_trainer_pause_longer_than_the_heartbeat_timeout_restarts_nothing():
         assert pool.env_stats()[0]["restarts"] == 0
     finally:
         pool.close()
+
+
+def test_a_stopped_worker_is_found_silent_across_the_trainers_pauses():
+    """Env 1's worker is stopped (SIGSTOP) with a step in flight; the trainer steps env 0 in
+    bursts of 0.2 s, shorter than the 0.5 s heartbeat timeout, with 0.3 s of its own work
+    between (over the 0.2 s pause the pool does not count). Silence adds up across the
+    pauses: env 1's step is answered by a restart's truncation. Before, every pause gave
+    each worker a fresh start, and the step was never answered (failure audit)."""
+    config = PoolConfig(
+        register_timeout_s=90.0, close_timeout_s=2.0, heartbeat_interval_s=0.1, heartbeat_liveness=5
+    )
+    makers = [{"env_id": 0}, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=makers, config=config)
+    stopped = pool.worker_pid(1)
+    try:
+        pool.reset()
+        os.kill(stopped, signal.SIGSTOP)
+        pool.async_step_send(actions([0.5]), env_index=[1])
+        answered = _step_env_0_in_bursts_until_env_1_answers(pool, bursts=20)
+        assert answered is not None, "the stopped worker's step was never answered"
+        assert answered["next", "truncated"].item() and pool.last_restarted_envs == [1]
+        assert "silent" in pool.env_stats()[1]["last_restart_cause"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # still there: it must be able to exit
+            os.kill(stopped, signal.SIGCONT)
+        pool.close()
+
+
+def _step_env_0_in_bursts_until_env_1_answers(pool, bursts: int):
+    """Env 1's result once it comes (None if it never does); env 0 stepped meanwhile."""
+    busy = False
+    for _ in range(bursts):
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:
+            if not busy:
+                pool.async_step_send(actions([0.5]), env_index=[0])
+                busy = True
+            out = pool.async_step_recv(min_get=1, max_get=1, timeout=10)  # no batching wait
+            for row, env in enumerate(out.get("env_index").tolist()):
+                if env == 1:
+                    return out[row]
+                busy = False
+        time.sleep(0.3)  # the trainer's own work (an update) between its recvs
+    return None
 
 
 def test_a_step_that_kills_its_worker_kills_it_once_and_none_runs_twice():

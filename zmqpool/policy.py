@@ -55,13 +55,20 @@ class RestartPolicy:
 class Liveness:
     """Who has been silent too long, counting only time the pool spent listening.
 
+    A gap of more than ``pause_s`` between two ``listening`` calls is the
+    trainer away (its own work between recvs): it is not counted, and every
+    worker's silence resumes after it where it was. Silence adds up across
+    pauses, so a worker that stopped is found however the trainer's recvs
+    and pauses alternate (a fresh start at each pause never found one whose
+    trainer paused more often than the timeout).
+
     Example:
         >>> live = Liveness(timeout_s=3.0, pause_s=1.0)
         >>> live.heard("w0", now=0.0); live.listening(now=0.5)
         >>> live.listening(now=100.0)  # the trainer was away: nobody is judged on that
-        >>> live.silent(now=101.0)
+        >>> live.silent(now=101.0)  # 0.5 s before the pause, 1 s after it
         []
-        >>> live.silent(now=104.0)
+        >>> live.silent(now=103.0)
         ['w0']
     """
 
@@ -87,11 +94,13 @@ class Liveness:
         self._last_heard.pop(key, None)
 
     def listening(self, now: float) -> None:
-        """The pool is polling again; after a pause, give every worker a fresh start."""
+        """The pool is polling (called as a poll begins and as it ends); a pause since the
+        last call is taken out of every worker's silence."""
         if self._last_listened is not None and now - self._last_listened > self.pause_s:
-            for key in self._last_heard:  # every time becomes now (none is later): in order
-                self._last_heard[key] = max(self._last_heard[key], now)
-            self._newest = max(self._newest, now)
+            away = now - self._last_listened
+            for key, heard_at in self._last_heard.items():  # one shift for all: in order
+                self._last_heard[key] = min(heard_at + away, now)
+            self._newest = min(self._newest + away, now)
         self._last_listened = now
 
     def silent(self, now: float) -> list[Hashable]:

@@ -763,6 +763,7 @@ class Runtime:
         for event in self._take_events():
             self.supervisor.on_event(event)
         now = time.monotonic()
+        self.liveness.listening(now)  # the poll's end: a pause is counted from here
         # Silences are judged every time, drained or not: the ROUTER queues fairly per
         # peer, so a flood from one connection never keeps another's heartbeat unread for
         # long. Lateness waits until the sockets were read to the end: after a trainer
