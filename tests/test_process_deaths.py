@@ -32,7 +32,7 @@ from tests.exactly_once import ExactlyOnce
 from zmqpool import EnvError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.launcher import ENV_THREAD_DIED, ForkServerWarning
 from zmqpool.roster import WorkerRecord
-from zmqpool.testing import CountingEnv
+from zmqpool.testing import CountingEnv, FaultyEnv
 
 #: Fork servers are killed here: each pool has its own, so that the session's
 #: other pools (sharing one, ``tests/conftest.py``) lose no worker with it.
@@ -389,6 +389,48 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
         assert out["next", "observation"][0, 1].item() == 1.0  # on from the reset
     finally:
         signal.signal(signal.SIGINT, previous)
+        pool.close()
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_restart_whose_rebuilt_env_cannot_reset_owes_its_truncation(api):
+    """Env 1's worker is killed mid-step, and its rebuilt env raises in its first reset:
+    the one sent in place of the step, to answer it as a truncation (failure audit).
+
+    The step gets that error, noting the restart. The truncation is owed: the
+    next step is a reset again, answered as the truncation, naming env 1. Before,
+    the env counted as live, and the next step stepped an env never reset: no
+    ``done`` between the observation before the crash and a new episode.
+    """
+    config = dataclasses.replace(QUICK, share_fork_server=True)  # no fork server is killed
+    slow = {"step_sleep_s": (0.6, 0.6)}
+    # Each FaultyEnv raises in its first reset only: the pool's first reset, and the rebuilt one's.
+    kwargs = [{"env_id": 0}, {"env_id": 1, "fault_at": 0, "every_episode": False, **slow}]
+    pool = ZMQAsyncEnvPool([CountingEnv, FaultyEnv], create_env_kwargs=kwargs, config=config)
+    try:
+        with pytest.raises(EnvError, match="env 1"):
+            pool.reset()
+        pool.reset()
+        kill = threading.Timer(0.2, os.kill, (pool.worker_pid(1), signal.SIGKILL))
+        kill.start()
+        with pytest.raises(EnvError, match="FaultyEnv 1 failed") as info:
+            if api == "sync":
+                sync_step(pool, [0.1, 0.1])
+            else:
+                pool.async_step_send(TensorDict({"action": torch.full((2, 1), 0.1)}, [2]), [0, 1])
+                pool.async_step_recv(min_get=2, timeout=30)
+        if api == "async":  # env 0's result stays for the next recv
+            assert pool.async_step_recv(min_get=1, timeout=30).get("env_index").tolist() == [0]
+        kill.join(timeout=5)
+        assert "was restarted" in "".join(getattr(info.value, "__notes__", []))
+        assert restarts(pool) == [0, 1] and pool.last_restarted_envs == []
+        out = sync_step(pool, [0.1, 0.1])
+        assert pool.last_restarted_envs == [1]
+        assert out["next", "truncated"].tolist() == [[False], [True]]
+        assert out["next", "observation"][1, 1].item() == 0.0  # the reset's step count
+        out = sync_step(pool, [0.1, 0.1])
+        assert not out["next", "truncated"].any() and out["next", "observation"][1, 1].item() == 1
+    finally:
         pool.close()
 
 

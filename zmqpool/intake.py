@@ -184,7 +184,7 @@ class Intake:
             ):
                 deliver(Reply(env, pending, parts, None, pending.synth), now)  # the usual reply
             else:
-                deliver(_checked_reply(env, pending, parts, records[env].check), now)
+                deliver(self._owing(_checked_reply(env, pending, parts, records[env].check)), now)
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
         """A result or error from the worker of ``record``: the answer to its oldest request."""
@@ -207,7 +207,25 @@ class Intake:
             except ProtocolError as err:  # the request was real: answer it with the error
                 parts = err
             reply = _checked_reply(header.env, pending, parts, record.check)
-        self.ledger.deliver(reply, now)
+        self.ledger.deliver(self._owing(reply), now)
+
+    def _owing(self, reply: Reply) -> Reply:
+        """``reply``; a restart's truncation it answers with an error instead is owed again.
+
+        The reset sent in place of a request cut short by a restart (``synth``)
+        raised in the rebuilt env: the caller gets that error, and the env goes
+        back to ``FRESH``, so its next step is a reset again, answered as the
+        truncation. Else that step would step an env never reset.
+        """
+        if reply.error is not None and reply.pending.synth:
+            self.roster.owe_truncation(reply.env)
+            cause = self.roster.envs[reply.env].last_restart_cause
+            reply.error.add_note(
+                f"env {reply.env} was restarted ({cause}); "
+                "this is its rebuilt env's reset, sent in place of the request: its next "
+                "step is sent as a reset again, answered as the restart's truncation"
+            )
+        return reply
 
     def _handled_as_crash(self, env: int, reply: Reply) -> bool:
         if self.on_env_error is None or not isinstance(reply.error, EnvError):
