@@ -1,6 +1,9 @@
 """Restart and liveness decisions, with a fake clock: no sockets, no sleeping."""
 
 from zmqpool.policy import Liveness, RestartPolicy
+from zmqpool.state import BATCH_CHANNEL, Pending
+from zmqpool.supervisor import sent_as
+from zmqpool.wire import Command
 
 
 def test_backoff_doubles_up_to_its_cap():
@@ -82,3 +85,12 @@ def test_after_a_pause_the_order_holds():
     live.heard("a", now=10.5)
     assert live.silent(now=11.2) == ["b"]
     assert live.silent(now=11.6) == ["b", "a"]
+
+
+def test_a_hang_is_named_by_the_command_its_env_got():
+    """A step cut short by a restart goes to the rebuilt env as a reset: a hang there is
+    that reset's (failure audit: the cause used to say "no reply to STEP")."""
+    pending = Pending(1, Command.STEP, BATCH_CHANNEL[Command.STEP], None, None, None, 0.0)
+    assert sent_as(pending) == "STEP"
+    pending.synth = True
+    assert sent_as(pending) == "the RESET sent in place of a STEP (after a restart)"

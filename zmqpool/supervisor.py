@@ -306,7 +306,7 @@ class Supervisor:
             if now <= late_at:
                 next_late = min(next_late, late_at)
                 continue
-            cause = f"hung: no reply to {slot.in_flight[0].command.name} within {timeout} s"
+            cause = f"hung: no reply to {sent_as(slot.in_flight[0])} within {timeout} s"
             if host.remote:  # not ours to kill: its token is void, its slots wait
                 self.vacate(host, now, cause)
             else:
@@ -345,3 +345,10 @@ class Supervisor:
             return
         self.roster.killing(record, cause, traceback)
         record.process.kill()
+
+
+def sent_as(pending: Pending) -> str:
+    """What ``pending`` went to its env as: a step cut short by a restart went as a reset."""
+    if pending.synth and pending.command in STEPS:
+        return f"the RESET sent in place of a {pending.command.name} (after a restart)"
+    return pending.command.name
