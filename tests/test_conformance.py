@@ -243,8 +243,12 @@ def test_torchrls_backend_argument_runs_unchanged():
         assert pool.reset()["observation"].tolist() == [[0]]
     finally:
         pool.close()
-    with pytest.raises(ValueError, match="backend must be"):
-        ZMQAsyncEnvPool(counting_makers(1), backend="processes", config=FAST)
+    for backend in ("asyncio", "processes"):  # torchrl's pool runs neither
+        with pytest.raises(NotImplementedError):
+            AsyncEnvPool(counting_makers(1), backend=backend)
+        with pytest.raises(NotImplementedError, match="backend must be") as info:
+            ZMQAsyncEnvPool(counting_makers(1), backend=backend, config=FAST)
+        assert isinstance(info.value, ValueError)  # as zmqpool's refusal was before
 
 
 @pytest.mark.parametrize(

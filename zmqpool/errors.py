@@ -54,6 +54,14 @@ class ProtocolError(ZMQPoolError, ValueError):
     """A message broke the wire contract (bad header, frame count, size, dtype...)."""
 
 
+class BackendError(ZMQPoolError, ValueError, NotImplementedError):
+    """A ``backend=`` torchrl's pool does not run either (``"asyncio"``, or any other name).
+
+    torchrl's raises ``NotImplementedError`` there; a ``ValueError`` too, as
+    zmqpool's was before.
+    """
+
+
 class VersionMismatchError(ProtocolError):
     """A peer speaks another protocol version."""
 

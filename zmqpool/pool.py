@@ -37,6 +37,7 @@ from zmqpool.arguments import (
 from zmqpool.assembly import Assembler
 from zmqpool.config import PoolConfig
 from zmqpool.errors import (
+    BackendError,
     BatchSizeMismatchError,
     ChannelIndexError,
     EnvBusyError,
@@ -219,7 +220,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         exchange: str | None = None,
     ) -> None:
         if backend not in (None, "multiprocessing", "threading"):
-            raise ValueError(
+            raise BackendError(
                 f"backend must be 'threading' or 'multiprocessing' (torchrl's), got {backend!r}"
             )
         if backend == "threading":  # code written for torchrl's pool runs unchanged
