@@ -1779,11 +1779,12 @@ class TestResetKeywords:
         "kwargs",
         [
             {"seed": 3},
+            {"seed": torch.tensor(3)},  # a 0-d tensor crosses as its number
             {"seed": 4, "options": {"start": 5}},
             {"list_of_kwargs": [{"seed": 1}, {"seed": 2, "options": {"start": 7}}]},
             {"list_of_kwargs": [{"seed": 1}, {}], "options": {"start": 2}},
         ],
-        ids=["seed", "seed-options", "list", "list-and-common"],
+        ids=["seed", "tensor-seed", "seed-options", "list", "list-and-common"],
     )
     def test_reset_keywords_reach_each_env(self, pair, kwargs):
         o, z = pair.both(lambda p: p.reset(**kwargs))

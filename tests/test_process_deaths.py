@@ -434,6 +434,45 @@ def test_a_restart_whose_rebuilt_env_cannot_reset_owes_its_truncation(api):
         pool.close()
 
 
+@pytest.mark.parametrize("behind", ["another step", "the caller's reset"])
+def test_a_failed_restart_reset_owes_nothing_when_a_reset_in_flight_answers_for_it(behind):
+    """As above, with a second request on env 1's own channel behind the step (review).
+
+    Another step cut short goes again as a reset too, and is answered as the
+    truncation; the caller's own reset begins an episode. Either way the env
+    is reset: its next step is a step. It used to be turned into a reset again,
+    answered as a second truncation, its action never applied.
+    """
+    config = dataclasses.replace(QUICK, share_fork_server=True)
+    kwargs = [{"env_id": 0}, {"env_id": 1, "fault_at": 0, "every_episode": False}]
+    kwargs[1]["step_sleep_s"] = (0.6, 0.6)
+    pool = ZMQAsyncEnvPool([CountingEnv, FaultyEnv], create_env_kwargs=kwargs, config=config)
+    one = TensorDict({"action": torch.full((1,), 0.1)}, [])
+    try:
+        with pytest.raises(EnvError, match="env 1"):
+            pool.reset()  # each FaultyEnv's first reset raises
+        pool.reset()
+        pool.async_step_send(one.clone(), env_index=1)
+        if behind == "another step":
+            pool.async_step_send(one.clone(), env_index=1)
+        else:
+            pool.async_reset_send(env_index=1)
+        kill = threading.Timer(0.2, os.kill, (pool.worker_pid(1), signal.SIGKILL))
+        kill.start()
+        with pytest.raises(EnvError, match="FaultyEnv 1 failed"):
+            pool.async_step_recv(env_index=1, timeout=30)
+        kill.join(timeout=5)
+        recv = pool.async_step_recv if behind == "another step" else pool.async_reset_recv
+        answered = recv(env_index=1, timeout=30)
+        assert answered.get(("next", "observation"), answered.get("observation"))[1] == 0
+        pool.async_step_send(one.clone(), env_index=1)
+        out = pool.async_step_recv(env_index=1, timeout=30)
+        assert not out["next", "truncated"].item() and pool.last_restarted_envs == []
+        assert out["next", "observation"][1].item() == 1.0  # a step, on from the reset
+    finally:
+        pool.close()
+
+
 # ---------------------------------------------------------------- closing
 
 

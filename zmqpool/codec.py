@@ -472,8 +472,10 @@ def _pack(layout: Layout, tensors: list[torch.Tensor], copy_own: bool) -> list[A
             pieces.append(arrays[index].tobytes())  # C order, whatever the strides
         frames.append(b"".join(pieces))
     for index in own:  # sent as it is (copy_own: a copy, made now); a 0-d leaf as 1-d
-        frame = np.ascontiguousarray(arrays[index])
-        frames.append(frame.copy() if copy_own else frame)
+        if copy_own:  # one copy, C order, whatever the strides
+            frames.append(np.array(arrays[index], order="C", copy=True, ndmin=1))
+        else:
+            frames.append(np.ascontiguousarray(arrays[index]))
     return frames
 
 

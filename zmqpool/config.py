@@ -106,8 +106,8 @@ class PoolConfig:
     #: a remote worker silent past the heartbeat timeout has this long to
     #: rejoin (itself or a replacement) before its envs are reported lost.
     rejoin_timeout_s: float = 60.0
-    #: leaves at least this large travel in the pool's commands as their own
-    #: zero-copy frame (workers' replies: always 64 KiB).
+    #: leaves at least this large travel in the pool's commands as a frame of
+    #: their own, copied at the send (workers' replies: always 64 KiB, zero-copy).
     zero_copy_threshold_bytes: int = ZERO_COPY_THRESHOLD
     #: the largest frame a remote worker's reply may hold (a result's leaf; a
     #: header may take 1 MiB whatever this says) when the remote slots have no

@@ -215,9 +215,10 @@ class Intake:
         The reset sent in place of a request cut short by a restart (``synth``)
         raised in the rebuilt env: the caller gets that error, and the env goes
         back to ``FRESH``, so its next step is a reset again, answered as the
-        truncation. Else that step would step an env never reset.
+        truncation. Else that step would step an env never reset. Not when a
+        reset is in flight behind it (:meth:`_resets_queued`).
         """
-        if reply.error is not None and reply.pending.synth:
+        if reply.error is not None and reply.pending.synth and not self._resets_queued(reply.env):
             self.roster.owe_truncation(reply.env)
             cause = self.roster.envs[reply.env].last_restart_cause
             reply.error.add_note(
@@ -226,6 +227,15 @@ class Intake:
                 "step is sent as a reset again, answered as the restart's truncation"
             )
         return reply
+
+    def _resets_queued(self, env: int) -> bool:
+        """Whether a reset is in flight on ``env`` behind the one that failed: another
+        request cut short by the restart (its truncation then), or the caller's own reset
+        (a new episode: no truncation is owed)."""
+        return any(
+            p.synth or p.command is Command.RESET or p.command is Command.RESET_RAW
+            for p in self.ledger.slots[env].in_flight
+        )
 
     def _handled_as_crash(self, env: int, reply: Reply) -> bool:
         if self.on_env_error is None or not isinstance(reply.error, EnvError):

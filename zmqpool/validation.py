@@ -472,6 +472,8 @@ def _names_to_values(kwargs: Any, env: int) -> dict[str, Any]:
 def _crossing(kwargs: dict[str, Any], env: int) -> dict[str, Any]:
     data, size = {}, 0
     for name, value in kwargs.items():  # each checked on its own, to name the one refused
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.item()  # reset(seed=torch.tensor(3)): the number, as an env takes it
         data[name], packed = plain_data_and_size(value, (f"reset keyword {name!r} of env {env}",))
         size += packed
     if size > MAX_RESET_KWARGS_BYTES:
