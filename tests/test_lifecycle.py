@@ -272,6 +272,47 @@ def test_a_forked_child_leaves_its_parents_pool_alone(tmp_path):
     assert "a forked child cannot use it" in out.stdout
 
 
+FORKED_MID_CALL = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from zmqpool import PoolClosedError, ZMQAsyncEnvPool
+    from zmqpool.testing import CountingEnv
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"step_sleep_s": (1.5, 1.5)}])
+    action = pool.full_action_spec.zero()
+    pool.reset()
+    stepping = threading.Thread(target=pool.step, args=(action,))  # in the pool for 1.5 s
+    stepping.start()
+    time.sleep(0.5)
+    pid = os.fork()
+    if pid == 0:  # the child: the gate it inherited is held, by a thread it does not have
+        try:
+            pool.async_step_send(action, env_index=[0])
+        except PoolClosedError as err:
+            print(err, flush=True)
+        os._exit(0)
+    deadline = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            print("the child hung", flush=True)
+            break
+        time.sleep(0.05)
+    stepping.join(timeout=30)
+    pool.close()
+    """
+)
+
+
+def test_a_child_forked_while_a_thread_is_in_the_pool_is_refused_at_once(tmp_path):
+    # The child's first call waited for ever for the gate (thread-sharing audit).
+    script = tmp_path / "forked_mid_call.py"
+    script.write_text(FORKED_MID_CALL)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "a forked child cannot use it" in out.stdout and "hung" not in out.stdout
+
+
 def test_each_worker_and_each_restart_draws_its_own_random_numbers():
     # Forked from one fork server, every worker began with its generators'
     # state, and a restarted worker replayed its first life's draws.

@@ -178,6 +178,20 @@ def test_set_seed_seeds_along_serial_envs_chain(pool):
     assert td["observation"][:, 3].tolist() == torch.tensor(expected).tolist()
 
 
+def test_set_seed_is_refused_while_an_envs_own_reset_is_in_flight(pool, fresh):
+    """A seed's reply comes on its env's own reset channel: it and an own-channel reset
+    in flight took each other's replies, set_seed returned None and the reset's recv a
+    seed (thread-sharing audit). Now the seed is refused, naming the env."""
+    pool.async_reset_send(env_index=1)
+    try:
+        with pytest.raises(EnvBusyError, match=r"envs \[1\] have resets in flight"):
+            pool.set_seed(100)
+    finally:
+        out = pool.async_reset_recv(env_index=1, timeout=30)
+    assert out["observation"][0].item() == 1.0  # env 1's reset, not a seed's reply
+    assert pool.set_seed(100) is not None
+
+
 def test_bad_trainer_input_is_refused_before_sending(pool, fresh):
     with pytest.raises(IndexError):
         pool.async_step_send(fresh[[0]], env_index=[NUM_ENVS])

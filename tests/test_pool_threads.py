@@ -127,6 +127,69 @@ def test_one_thread_sends_while_another_receives(pools, which):
         assert counts == [start + k for k in range(1, len(counts) + 1)], env
 
 
+def test_two_threads_receiving_on_the_batch_channel_with_deadlines_share_every_result(pools):
+    """Two consumers recv on the batch channel with a deadline while a producer steps each
+    env again as its result comes: each result goes to one of them, once, and a recv
+    returns at least ``min_get`` results or raises ``RuntimeError``.
+
+    A recv that had its ``min_get`` made way for the other thread while it batched
+    until its deadline; the other took the results, and the first built a result
+    from none (``IndexError``) or from fewer than ``min_get`` (thread-sharing audit).
+    torchrl's threading pool hands the same results to both threads: not compared.
+    A third thread takes ``stats(reset=True)`` meanwhile: its ``items`` add up to
+    every result (it read and cleared them outside the gate, losing some).
+    """
+    pool = pools["zmqpool"]
+    root = pool.reset()
+    pool.stats(reset=True)
+    counted: list[int] = []
+    ready: queue.Queue[int] = queue.Queue()
+    received: list[tuple[int, float]] = []
+    total = 4 * ROUNDS * NUM_ENVS
+    done = threading.Event()
+
+    def produce() -> None:
+        for env in range(NUM_ENVS):
+            ready.put(env)
+        for _ in range(total):
+            env = ready.get(timeout=JOIN_TIMEOUT_S)
+            row = root[[env]].exclude("env_index")
+            row["action"] = torch.ones(1, 1, dtype=torch.int8)
+            pool.async_step_send(row, env_index=[env])
+        done.set()
+
+    def consume() -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not (done.is_set() and len(received) >= total) and time.monotonic() < deadline:
+            try:
+                out = pool.async_step_recv(min_get=1, timeout=0.05)
+            except (RuntimeError, TimeoutError):  # the other took them, or none in flight yet
+                time.sleep(0.001)
+                continue
+            assert out.batch_size[0] >= 1
+            for env, obs in zip(out["env_index"], out["next", "observation"], strict=True):
+                received.append((int(env), float(obs.item())))
+                ready.put(int(env))
+
+    def watch() -> None:
+        while not (done.is_set() and len(received) >= total):
+            counted.append(pool.stats(reset=True)["items"])
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: the races come in a short run
+    try:
+        errors = run_threads([consume, consume, produce, watch])
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert len(received) == total
+    assert sum(counted) + pool.stats(reset=True)["items"] == total
+    for env in range(NUM_ENVS):
+        counts = sorted(obs for e, obs in received if e == env)
+        start = float(root["observation"][env].item())
+        assert counts == [start + k for k in range(1, len(counts) + 1)], env
+
+
 def test_close_from_another_thread_ends_a_waiting_recv():
     """A recv waiting without a timeout is ended by close() in another thread, at once."""
     pool = ZMQAsyncEnvPool(counting_makers(1, step_delay=30.0), config=CONFIG)

@@ -136,6 +136,10 @@ def _sync_call(method: _Method) -> _Method:
 def _holding_the_gate(method: _Method, starts: bool) -> _Method:
     @functools.wraps(method)
     def holding_the_gate(self: ZMQAsyncEnvPool, *args: Any, **kwargs: Any) -> Any:
+        if self._resources.inherited:
+            # A forked child: its copy of the gate may be held, by a parent thread that
+            # was in a call when it forked and does not exist here (it would wait for ever).
+            raise PoolClosedError(self._closed_because())
         with self._gate:
             if starts and self._resources.closed:
                 self._start_again()
@@ -848,9 +852,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
         if self._busy:
             raise EnvBusyError(f"cannot seed while envs {sorted(self._busy)} are busy")
+        # A seed's reply comes on its env's own reset channel: one awaited there (another
+        # thread's async_reset_send(env_index=i)) would be taken for it, and it for that.
+        resetting = [e for e in range(self.num_envs) if self._runtime.awaiting((Kind.RESET, e))]
+        if resetting:
+            raise EnvBusyError(f"cannot seed while envs {resetting} have resets in flight")
         with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
             return self._runtime.set_seed(seed, static_seed, self._raise_taken)
 
+    @_exclusive  # a recv records its batch under the gate: reset=True must not lose one
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
         """torchrl's batch figures (``batches``, ``items``, ``avg_batch_size``, ...).
 

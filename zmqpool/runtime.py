@@ -683,19 +683,25 @@ class Runtime:
         # without waiting before it would be one more poll (~9 us) for every recv.
         looked = self.ledger.count_ready(channel) >= min_get
         drained = self.pump(0) if looked else True
-        while self.ledger.count_ready(channel) < min_get:
-            self._raise_ready_error(channel, raise_error)
-            remaining = self._remaining(deadline)
-            if remaining <= 0 and looked:  # an expired deadline still takes what is queued
-                raise RecvTimeoutError(
-                    f"async recv timed out: {self.ledger.count_ready(channel)}/{min_get} results "
-                    f"after {timeout}s; they remain available to the next call."
-                )
-            drained, looked = self._wait(channel, min_get, max(0.0, remaining)), True
-        if deadline is not None:
+        while True:
+            while self.ledger.count_ready(channel) < min_get:
+                self._raise_ready_error(channel, raise_error)
+                remaining = self._remaining(deadline)
+                if remaining <= 0 and looked:  # an expired deadline still takes what is queued
+                    raise RecvTimeoutError(
+                        f"async recv timed out: {self.ledger.count_ready(channel)}/{min_get} "
+                        f"results after {timeout}s; they remain available to the next call."
+                    )
+                drained, looked = self._wait(channel, min_get, max(0.0, remaining)), True
+            if deadline is None:
+                break
             awaiting = self.ledger.awaiting(channel)
             wanted = awaiting if max_get is None else min(awaiting, max_get)
             drained = self._batch_until(channel, wanted, deadline, drained)
+            if self.ledger.count_ready(channel) >= min_get:
+                break
+            # Another thread sharing the pool took results while this one made way for
+            # it (a batching wait makes way too): wait for min_get again, or time out.
         if not drained:  # a pump that read everything just now left nothing to take
             self.pump(0)
         if self.plan.same_specs and channel[1] is None:  # a dense stack takes one structure
