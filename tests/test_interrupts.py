@@ -11,6 +11,7 @@ answered exactly once, with the env's own count of its steps.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from tensordict import TensorDict
 import zmqpool
 from tests.conftest import FAST, counting_kwargs
 from zmqpool import ZMQAsyncEnvPool
-from zmqpool.testing import CountingEnv
+from zmqpool.testing import CountingEnv, FaultyEnv
 
 NUM_ENVS = 2
 _POOL_CODE = str(Path(zmqpool.__file__).parent)
@@ -183,6 +184,44 @@ def test_a_sync_call_interrupted_anywhere_leaves_the_next_one_working(interrupte
         after = pool.step(actions.clone())["next"]  # one step from a reset, whichever ran
         assert after["observation"][:, :2].tolist() == [[0.0, 1.0], [1.0, 1.0]]
     assert interrupted["step"] > 10 and interrupted["reset"] > 10, interrupted
+
+
+@pytest.mark.parametrize("ctrl_cs", [1, 2])
+def test_a_ctrl_c_while_a_failed_sync_step_settles_leaves_the_next_one_working(ctrl_cs):
+    """Env 0 raises at once, env 1 steps for 1.5 s: the step waits for env 1 to drop its
+    result (the pool left idle, as SerialEnv), and a Ctrl-C comes meanwhile; with two,
+    the second cuts that wait short. The next sync step runs either way.
+
+    The settling ran outside the call's hold on a Ctrl-C: the interrupt cut it short,
+    env 1 stayed marked busy, and every sync call after it was refused for good
+    ("Some envs are still processing"; remote-failure audit).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        pytest.fail("a SIGINT is handled in the main thread only: run this test in it")
+    kwargs = [
+        {"env_id": 0, "fault": "raise", "fault_at": 1, "every_episode": False},
+        {"env_id": 1, "fault_at": 10**9, "step_sleep_s": (1.5, 1.5)},
+    ]
+    pool = ZMQAsyncEnvPool(FaultyEnv, create_env_kwargs=kwargs, config=FAST)
+    actions = TensorDict({"action": torch.zeros(NUM_ENVS, 1)}, [NUM_ENVS])
+    timers = [
+        threading.Timer(0.4 + 0.3 * i, os.kill, (os.getpid(), signal.SIGINT))
+        for i in range(ctrl_cs)
+    ]
+    try:
+        pool.reset()
+        for timer in timers:
+            timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.step(actions.clone())
+        for timer in timers:
+            timer.join(timeout=5)
+        out = pool.step(actions.clone())["next"]
+        assert out["observation"][:, 0].tolist() == [0.0, 1.0]
+    finally:
+        for timer in timers:
+            timer.cancel()
+        pool.close()
 
 
 _HANDLER_ROUND_TRIP = """

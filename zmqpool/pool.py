@@ -461,7 +461,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         torchrl's pool drops them.
         """
         self._settle_interrupted()
-        with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
+        with interrupts.WHOLE, self._settled_on_error(Kind.RESET):
             keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
             envs = None
             if tensordict is not None:
@@ -506,7 +506,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         as the call lets go of its gate; the replies are noted for :func:`_sync_call`.
         A batch in :meth:`stats`, as torchrl's sync calls are (its async recv).
         """
-        with self._settled_on_error(kind, sent=True), interrupts.WHOLE:
+        with interrupts.WHOLE, self._settled_on_error(kind, sent=True):
             replies = self._recv(kind, count, None, None, None)
         calls = self._sync_calls
         if calls.depth:  # a reset's own (torchrl's reset calls _reset) needs no note
@@ -533,7 +533,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         try:
             yield
         except (EnvError, EnvLostError):
-            self._settle(kind)
+            # Held whole (the caller's ``with interrupts.WHOLE`` is outside this one), a
+            # Ctrl-C waits for the settling too; a second one may cut it short, and the
+            # rest is then left for the next sync call, as for any interrupted call.
+            try:
+                self._settle(kind)
+            except BaseException:
+                self._interrupted_sync[kind] = self._awaiting(kind)
+                raise
             raise
         except BaseException:  # a Ctrl-C in a wait (or what the caller's handler raised):
             if ours:
@@ -630,7 +637,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 return EnvBase.reset(self, tensordict, **kwargs)
         keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
         self._settle_interrupted()
-        with self._settled_on_error(Kind.RESET), interrupts.WHOLE:
+        with interrupts.WHOLE, self._settled_on_error(Kind.RESET):
             if keywords is None:
                 return super().reset(tensordict)
             return self._reset_every_env(Command.RESET, tensordict, keywords)
