@@ -25,7 +25,8 @@ stdout, one JSON object a line:
   ``revoked`` or ``revoke_failed``), ``sockets`` (the options of every
   live ZeroMQ socket of the process: ``sockets``), ``zap-stop`` (fault
   injection: stop the process's ZAP handler threads: ``zap_stopped``),
-  ``close`` (``closed``); at
+  ``close-pool`` (``pool.close()``, the serving goes on: ``pool_closed``; the
+  next command's call starts the pool again), ``close`` (``closed``); at
   end of file on stdin the pool is closed, and construction still waiting is
   interrupted (the pool then releases what it started).
 
@@ -1136,6 +1137,9 @@ def serve(spec_json: str) -> None:
                 _emit("sockets", sockets=_live_sockets())
             elif line == "zap-stop":
                 _emit("zap_stopped", count=_stop_authenticators())
+            elif line == "close-pool":  # closed, not ended: the next call starts it again
+                pool.close()
+                _emit("pool_closed")
             elif line == "close":
                 break
     finally:

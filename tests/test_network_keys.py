@@ -488,6 +488,38 @@ def test_a_revoked_key_is_dropped_and_refused(tmp_path, key_dir, context):
     assert welcome is not None and result is not None and result["restarted"], rescued
 
 
+def test_a_revoked_key_stays_refused_when_the_pool_starts_again(tmp_path, key_dir, context):
+    """A key revoked, then ``close()`` and a start again (a Collector's close and the next
+    call): the key is refused still, though ``authorized/`` lists it (remote audit: the
+    revocation lived in the closed runtime, and the revoked worker was taken back).
+    """
+    port = free_port_base(HOST)
+    key_file = key_dir / "authorized" / "worker-0.key"
+    with victim_on(tmp_path, key_dir, port) as victim:
+        first = worker(context, victim, port, key_dir, 0, b"before")
+        [env] = welcomed(first, victim)
+        victim.wait("constructed", timeout_s=30)
+        victim.command(f"revoke {key_file}")
+        assert victim.wait("revoked", "revoke_failed", timeout_s=10)["event"] == "revoked"
+        first.close()
+        victim.command("close-pool")
+        victim.wait("pool_closed", timeout_s=30)
+        victim.command(f'send-envs {{"envs": [{env}]}}')  # starts it again: waits for a worker
+        victim.wait_listening([port, port + 1, port + 2], timeout_s=60)
+        revoked = worker(context, victim, port, key_dir, 0, b"revoked-again")
+        try:
+            welcome = revoked.register(timeout_s=10, give_up_if_refused=True)
+        except zmq.Again:  # no connection in 5 s: the ZAP handler refused its handshake
+            welcome = None
+        revoked.close()
+        assert welcome is None, f"the revoked key was welcomed back: {welcome}"
+        honest = worker(context, victim, port, key_dir, 1, b"honest")
+        assert welcomed(honest, victim) == [env]
+        sent = victim.wait("sent", "send_failed", timeout_s=30)
+        honest.close()
+    assert sent["event"] == "sent", sent
+
+
 # ---------------------------------------------------------------- 8: remote step deadlines
 
 

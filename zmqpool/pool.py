@@ -282,6 +282,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._interrupted_sync: dict[Kind, int] = {}
         #: Each thread's sync calls under way and the replies they took (:func:`_sync_call`).
         self._sync_calls = _SyncCalls()
+        #: Keys revoke_worker_key refused: still refused after a close and a start again.
+        self._revoked_keys: set[str] = set()
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -337,6 +339,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             remote_spec=self.remote_spec,
             launchers=tuple(self.remote_workers),
             default_dtype=self._default_dtype,
+            revoked_keys=frozenset(self._revoked_keys),
         )
 
     @property
@@ -935,6 +938,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return None if process is None else process.pid
 
     @_exclusive
+    @_exclusive
     def revoke_worker_key(self, key: str | bytes | os.PathLike) -> list[int]:
         """Refuse a remote worker key from now on: a ``.key`` file or its z85 public key.
 
@@ -942,13 +946,17 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         that hold slots with it are set aside at once (their requests wait
         ``config.rejoin_timeout_s`` for another worker, as after a silence), and
         anything they still send is dropped. Returns the env slots vacated.
+        The pool refuses it for its life, after a ``close()`` and a start again
+        too, whatever ``authorized/`` then holds.
 
         Example:
             >>> pool.revoke_worker_key("keys/authorized/worker-3.key")  # doctest: +SKIP
             [6, 7]
         """
         self._check_open()
-        return self._runtime.revoke(public_key_of(key))
+        public = public_key_of(key)
+        self._revoked_keys.add(public)
+        return self._runtime.revoke(public)
 
     def _check_open(self) -> None:
         if self._resources.closed:

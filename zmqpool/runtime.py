@@ -191,6 +191,8 @@ class PoolPlan:
     remote_spec: Any = None  # the specs remote workers must bring (None: the local envs')
     launchers: Sequence[RemoteLauncher] = ()  # remote workers the pool starts, first slots
     default_dtype: str = "float32"  # torch's in local workers: the trainer's at construction
+    #: CURVE keys (z85) the pool revoked (``revoke_worker_key``): refused in a start again too.
+    revoked_keys: frozenset[str] = frozenset()
 
     @property
     def num_envs(self) -> int:
@@ -242,6 +244,7 @@ class Runtime:
             remote_spec=plan.remote_spec,
             remote_failures=self.remote_failures,
         )
+        self.registrar.revoked.update(plan.revoked_keys)
         servers = forkservers.SHARED if config.share_fork_server else None
         self.launcher = Launcher(config.fork_server, config.register_timeout_s, servers)
         resources.launcher = self.launcher
@@ -302,6 +305,8 @@ class Runtime:
         else:  # a header, or the reference's leaves with headroom
             cap = max_message_bytes([layout_of(reference.zero())])
         self.broker.bind_remote(tcp_endpoints(self.plan.bind), keys, cap)
+        for key in self.registrar.revoked:  # authorized/ may still list it
+            self.broker.revoke(key)
         self._start_launchers(keys)
 
     def _start_launchers(self, keys: ServerKeys | None) -> None:
