@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from zmqpool.codec import Decoder, Encoder
-from zmqpool.errors import CrashLoopError, RegistrationError
+from zmqpool.errors import CrashLoopError, NoRoomError, RegistrationError
 from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase
 from zmqpool.specs import spec_to_data
 from zmqpool.testing import CountingEnv
@@ -163,6 +163,23 @@ def test_slots_asked_for_by_name_must_all_be_free():
     roster = Roster(3, [], [0, 1, 2])
     taken = roster.take_remote(b"a", None, roster.plan_remote(b"a", None, b"i", 1, [1]), "")
     register(roster, taken)
-    with pytest.raises(RegistrationError, match="asked for"):
+    # Held: no room, which a replacement of the holder's host waits out (remote audit: a
+    # refusal, and a host restarted with --slots exited, its envs lost).
+    with pytest.raises(NoRoomError, match="asked for are not free"):
         roster.plan_remote(b"b", None, b"i", 2, [1, 2])
+    with pytest.raises(RegistrationError, match="not 2 of the pool's remote slots") as info:
+        roster.plan_remote(b"b", None, b"i", 2, [2, 7])
+    assert not isinstance(info.value, NoRoomError)  # slots that do not exist: refused
     assert roster.plan_remote(b"b", None, b"i", 2, [0, 2]).envs == [0, 2]
+
+
+def test_a_workers_slots_set_aside_do_not_count_toward_its_keys_quota():
+    """A replacement host (same key, new identity) takes the slots its silent worker left,
+    with max_slots_per_key: those slots counted as held, and it was refused (remote audit)."""
+    roster = Roster(2, [], [0, 1])
+    a = roster.take_remote(b"a", "KEY", roster.plan_remote(b"a", "KEY", b"i", 2, None, 2), "")
+    register(roster, a)
+    with pytest.raises(RegistrationError, match="max_slots_per_key"):
+        roster.plan_remote(b"a-new", "KEY", b"k", 2, None, max_per_key=2)
+    roster.vacate(a, now=0.0, cause="silent")
+    assert roster.plan_remote(b"a-new", "KEY", b"k", 2, None, max_per_key=2).envs == [0, 1]

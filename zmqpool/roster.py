@@ -318,10 +318,13 @@ class Roster:
         # Slots its own key left vacant first: a host that restarted under a new identity.
         free.sort(key=lambda i: not self._vacated_by(i, key))
         if wanted is not None:
-            if len(wanted) != count or not set(wanted) <= set(free):
+            if len(wanted) != count or not set(wanted) <= set(self.remote_indices):
                 raise RegistrationError(
-                    f"slots {wanted} asked for are not {count} free remote slots (free: {free})"
+                    f"slots {wanted} asked for are not {count} of the pool's remote slots "
+                    f"{self.remote_indices}"
                 )
+            if not set(wanted) <= set(free):  # held: maybe by its own host's old worker
+                raise NoRoomError(f"no room: slots {wanted} asked for are not free (free: {free})")
             free = list(wanted)
         if count < 1 or len(free) < count:
             raise NoRoomError(
@@ -348,7 +351,12 @@ class Roster:
     def _check_quota(self, key: str | None, count: int, max_per_key: int | None) -> None:
         if max_per_key is None or key is None:
             return
-        held = sum(len(w.envs) for w in self._workers.values() if w.remote and w.key == key)
+        # Not a worker set aside (vacant) or lost: a replacement takes the very slots it left.
+        held = sum(
+            len(w.envs)
+            for w in self._workers.values()
+            if w.remote and w.key == key and w.phase not in _HOLDS_NOTHING
+        )
         if held + count > max_per_key:
             raise RegistrationError(
                 f"key {key[:8]}... holds {held} env slots and asks for {count}: "
@@ -491,3 +499,7 @@ class Roster:
             return False
         env.phase = EnvPhase.LIVE
         return not resets
+
+
+#: Phases of a remote worker whose slots count toward nobody's quota.
+_HOLDS_NOTHING = frozenset((WorkerPhase.VACANT, WorkerPhase.LOST))
