@@ -280,7 +280,12 @@ FORKED_MID_CALL = textwrap.dedent(
     pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"step_sleep_s": (1.5, 1.5)}])
     action = pool.full_action_spec.zero()
     pool.reset()
-    stepping = threading.Thread(target=pool.step, args=(action,))  # in the pool for 1.5 s
+    worker = pool.worker_pid(0)
+    if sys.argv[1] == "closing":  # stopped, the worker does not exit: close waits 3 s
+        os.kill(worker, signal.SIGSTOP)
+        stepping = threading.Thread(target=pool.close)
+    else:
+        stepping = threading.Thread(target=pool.step, args=(action,))  # in the pool for 1.5 s
     stepping.start()
     time.sleep(0.5)
     pid = os.fork()
@@ -298,17 +303,25 @@ FORKED_MID_CALL = textwrap.dedent(
             print("the child hung", flush=True)
             break
         time.sleep(0.05)
+    if sys.argv[1] == "closing":
+        try:
+            os.kill(worker, signal.SIGCONT)
+        except ProcessLookupError:  # killed by the close already
+            pass
     stepping.join(timeout=30)
     pool.close()
     """
 )
 
 
-def test_a_child_forked_while_a_thread_is_in_the_pool_is_refused_at_once(tmp_path):
-    # The child's first call waited for ever for the gate (thread-sharing audit).
+@pytest.mark.parametrize("thread_in", ["stepping", "closing"])
+def test_a_child_forked_while_a_thread_is_in_the_pool_is_refused_at_once(tmp_path, thread_in):
+    # The child's first call waited for ever for the gate (thread-sharing audit), and in a
+    # pool another thread was closing, once the first was mended (review).
     script = tmp_path / "forked_mid_call.py"
     script.write_text(FORKED_MID_CALL)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, str(script), thread_in]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "a forked child cannot use it" in out.stdout and "hung" not in out.stdout
 

@@ -25,6 +25,7 @@ from tests.conformance import counting_makers
 from zmqpool import PoolClosedError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.gate import Gate
 from zmqpool.state import Kind
+from zmqpool.testing import CountingEnv
 
 NUM_ENVS = 3
 ROUNDS = 60
@@ -188,6 +189,46 @@ def test_two_threads_receiving_on_the_batch_channel_with_deadlines_share_every_r
         counts = sorted(obs for e, obs in received if e == env)
         start = float(root["observation"][env].item())
         assert counts == [start + k for k in range(1, len(counts) + 1)], env
+
+
+class SlowSeedEnv(CountingEnv):
+    """zmqpool's CountingEnv whose ``set_seed`` takes ``seed_s`` seconds."""
+
+    def __init__(self, env_id: int = 0, seed_s: float = 0.0) -> None:
+        super().__init__(env_id=env_id)
+        self.seed_s = seed_s
+
+    def _set_seed(self, seed):
+        time.sleep(self.seed_s)
+        return super()._set_seed(seed)
+
+
+def test_a_reset_on_an_envs_own_channel_is_refused_while_another_thread_seeds():
+    """set_seed waits for env 0's seed, making way for other threads: one resets env 1 on
+    its own channel, where env 1's seed reply will come. The reset is refused; the seed
+    chain is SerialEnv's. The reset went out, and the two took each other's replies
+    (set_seed returned None, the reset's recv a seed; review)."""
+    makers = [{"env_id": 0, "seed_s": 1.0}, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(SlowSeedEnv, create_env_kwargs=makers, config=CONFIG)
+    refused: list[str] = []
+
+    def reset_env_1() -> None:
+        time.sleep(0.3)  # set_seed is waiting for env 0 by then
+        try:
+            pool.async_reset_send(env_index=1)
+        except RuntimeError as err:
+            refused.append(str(err))
+
+    try:
+        pool.reset()
+        other = threading.Thread(target=reset_env_1)
+        other.start()
+        seed = pool.set_seed(100)
+        other.join(timeout=JOIN_TIMEOUT_S)
+        assert refused and "while set_seed is under way" in refused[0], refused
+        assert seed == CountingEnv().set_seed(CountingEnv().set_seed(100))
+    finally:
+        pool.close()
 
 
 def test_close_from_another_thread_ends_a_waiting_recv():

@@ -173,13 +173,23 @@ def test_slots_asked_for_by_name_must_all_be_free():
     assert roster.plan_remote(b"b", None, b"i", 2, [0, 2]).envs == [0, 2]
 
 
-def test_a_workers_slots_set_aside_do_not_count_toward_its_keys_quota():
-    """A replacement host (same key, new identity) takes the slots its silent worker left,
-    with max_slots_per_key: those slots counted as held, and it was refused (remote audit)."""
-    roster = Roster(2, [], [0, 1])
+def test_a_replacement_host_takes_its_keys_slots_within_the_quota_and_no_more():
+    """With max_slots_per_key, a replacement host (same key, new identity) of a worker:
+
+    - still live (not found silent yet): over the quota is no room, which it waits
+      out (it was refused, and the host's worker exited; remote audit);
+    - set aside: it takes the slots that worker left, which count once (they
+      counted twice: refused);
+    - other slots while that worker's wait for a rejoin: refused, so that the
+      key cannot hold both (review: a key went over its quota so).
+    """
+    roster = Roster(4, [], [0, 1, 2, 3])
     a = roster.take_remote(b"a", "KEY", roster.plan_remote(b"a", "KEY", b"i", 2, None, 2), "")
     register(roster, a)
-    with pytest.raises(RegistrationError, match="max_slots_per_key"):
+    with pytest.raises(NoRoomError, match="max_slots_per_key"):
         roster.plan_remote(b"a-new", "KEY", b"k", 2, None, max_per_key=2)
     roster.vacate(a, now=0.0, cause="silent")
     assert roster.plan_remote(b"a-new", "KEY", b"k", 2, None, max_per_key=2).envs == [0, 1]
+    with pytest.raises(RegistrationError, match="max_slots_per_key") as info:
+        roster.plan_remote(b"b-new", "KEY", b"k", 2, [2, 3], max_per_key=2)
+    assert not isinstance(info.value, NoRoomError)

@@ -284,6 +284,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._sync_calls = _SyncCalls()
         #: Keys revoke_worker_key refused: still refused after a close and a start again.
         self._revoked_keys: set[str] = set()
+        #: A set_seed is under way (another thread may send meanwhile: not a reset on an
+        #: env's own channel, where the seeds' replies come).
+        self._seeding = False
         super().__init__(
             env_makers,
             backend="multiprocessing",
@@ -565,8 +568,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 log.warning(
                     "dropping the results of the %s call interrupted before them", kind.value
                 )
-                with self._gate:
-                    self._settle(kind)
+                with self._gate, interrupts.WHOLE:
+                    try:
+                        self._settle(kind)
+                    except BaseException:  # a second Ctrl-C: the next call settles the rest
+                        self._interrupted_sync[kind] = self._awaiting(kind)
+                        raise
 
     def _settle(self, kind: Kind) -> None:
         """Take (and drop) what the batch channel of ``kind`` still awaits, errors included.
@@ -669,6 +676,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             step_input_spec(self.input_spec, self.num_envs, strict).check_batch(tensordict, env_idx)
         per_env = type(env_index) is int
         kind = KIND_OF[command]
+        if per_env and self._seeding and kind is Kind.RESET:
+            raise EnvBusyError(
+                f"cannot reset env {env_index} on its own channel while set_seed is under way "
+                "(the seeds' replies come there)"
+            )
         self._runtime.refuse_lost(env_idx)
         if not per_env:
             busy = self._busy.intersection(env_idx)
@@ -867,8 +879,12 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         resetting = [e for e in range(self.num_envs) if self._runtime.awaiting((Kind.RESET, e))]
         if resetting:
             raise EnvBusyError(f"cannot seed while envs {resetting} have resets in flight")
-        with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
-            return self._runtime.set_seed(seed, static_seed, self._raise_taken)
+        self._seeding = True
+        try:
+            with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
+                return self._runtime.set_seed(seed, static_seed, self._raise_taken)
+        finally:
+            self._seeding = False
 
     @_exclusive  # a recv records its batch under the gate: reset=True must not lose one
     def stats(self, *, reset: bool = False) -> dict[str, float | int]:
@@ -937,7 +953,6 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         process = self.worker_processes().get(env_index // self.envs_per_worker)
         return None if process is None else process.pid
 
-    @_exclusive
     @_exclusive
     def revoke_worker_key(self, key: str | bytes | os.PathLike) -> list[int]:
         """Refuse a remote worker key from now on: a ``.key`` file or its z85 public key.

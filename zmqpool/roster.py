@@ -313,7 +313,6 @@ class Roster:
             if known.key != key:
                 raise RegistrationError(f"identity {identity!r} is held by another key")
             return self._replan(known, incarnation, count)
-        self._check_quota(key, count, max_per_key)
         free = [i for i in self.remote_indices if self._is_free(i) and self._may_take(i, key)]
         # Slots its own key left vacant first: a host that restarted under a new identity.
         free.sort(key=lambda i: not self._vacated_by(i, key))
@@ -332,6 +331,7 @@ class Roster:
                 f"{len(self.remote_indices)} remote slots are free"
             )
         taken = free[:count]
+        self._check_quota(key, taken, max_per_key)
         hosted = any(self.envs[i].phase is not EnvPhase.NEW for i in taken)
         return Claim(taken, rejoin=hosted, duplicate=False)
 
@@ -348,20 +348,27 @@ class Roster:
             return owner == key
         return key is None or key not in self._reserved.values()
 
-    def _check_quota(self, key: str | None, count: int, max_per_key: int | None) -> None:
+    def _check_quota(self, key: str | None, taken: list[int], max_per_key: int | None) -> None:
+        """``key`` may hold ``taken`` besides its slots, less those ``taken`` takes over.
+
+        A replacement host (a new identity) takes the slots its key's worker set
+        aside left, which its key held already: they count once. Over the quota
+        while a live worker of the key holds as many slots (the host it replaces,
+        not found silent yet), it is no room, which admission lets it wait out.
+        """
         if max_per_key is None or key is None:
             return
-        # Not a worker set aside (vacant) or lost: a replacement takes the very slots it left.
-        held = sum(
-            len(w.envs)
-            for w in self._workers.values()
-            if w.remote and w.key == key and w.phase not in _HOLDS_NOTHING
+        mine = [i for w in self._workers.values() if w.remote and w.key == key for i in w.envs]
+        held = len(set(mine) - set(taken))
+        if held + len(taken) <= max_per_key:
+            return
+        message = (
+            f"key {key[:8]}... holds {len(mine)} env slots and asks for {len(taken)}: "
+            f"over the {max_per_key} a key may hold (PoolConfig.max_slots_per_key)"
         )
-        if held + count > max_per_key:
-            raise RegistrationError(
-                f"key {key[:8]}... holds {held} env slots and asks for {count}: "
-                f"over the {max_per_key} a key may hold (PoolConfig.max_slots_per_key)"
-            )
+        if self.held_live(key, len(taken)):
+            raise NoRoomError(message)
+        raise RegistrationError(message)
 
     def _vacated_by(self, index: int, key: str | None) -> bool:
         holder = self.envs[index].holder
@@ -499,7 +506,3 @@ class Roster:
             return False
         env.phase = EnvPhase.LIVE
         return not resets
-
-
-#: Phases of a remote worker whose slots count toward nobody's quota.
-_HOLDS_NOTHING = frozenset((WorkerPhase.VACANT, WorkerPhase.LOST))

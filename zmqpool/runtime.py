@@ -109,6 +109,7 @@ class Resources:
         #: directory are the parent's, and the child neither uses nor releases them.
         self.inherited = False
         _OPEN.add(self)
+        _MADE.add(self)
         interrupts.attach()  # a Ctrl-C in a pool call waits for a safe point
 
     def release(self, grace_s: float | None = None) -> None:
@@ -155,8 +156,10 @@ class Resources:
 #: takes microseconds over a live connection; a worker that is gone is waited for).
 REMOTE_CLOSE_LINGER_S = 0.5
 
-#: Every pool's resources not yet released, for the fork hook below.
+#: Every pool's resources not yet released.
 _OPEN: weakref.WeakSet[Resources] = weakref.WeakSet()
+#: Every pool's resources, released or not, for the fork hook below.
+_MADE: weakref.WeakSet[Resources] = weakref.WeakSet()
 
 
 def _inherited_by_a_child() -> None:
@@ -164,8 +167,10 @@ def _inherited_by_a_child() -> None:
 
     The child's copy of a ZeroMQ context is not usable, and the workers answer
     the parent; calls in the child raise :class:`PoolClosedError` saying so.
+    Closed ones too: one another thread was closing (its gate held) is inherited
+    all the same, and a call there must not wait for that gate.
     """
-    for resources in list(_OPEN):
+    for resources in list(_MADE):
         resources.inherited = resources.closed = True
     _OPEN.clear()
 
@@ -706,7 +711,8 @@ class Runtime:
             if self.ledger.count_ready(channel) >= min_get:
                 break
             # Another thread sharing the pool took results while this one made way for
-            # it (a batching wait makes way too): wait for min_get again, or time out.
+            # it (a batching wait makes way too): below min_get again, it waits until
+            # its deadline (which batching reached) and times out: no empty result.
         if not drained:  # a pump that read everything just now left nothing to take
             self.pump(0)
         if self.plan.same_specs and channel[1] is None:  # a dense stack takes one structure
