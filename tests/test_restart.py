@@ -535,7 +535,12 @@ from tensordict import TensorDict
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv
 
-config = PoolConfig(register_timeout_s=90.0, close_timeout_s=2.0, restart_backoff_s=0.5)
+# A restart 2 s after the death is seen: on a busy machine, one 0.5 s after could come
+# before the limit below is set, and its worker's connection then met a trainer out of
+# files, where libzmq aborts (an accept's EMFILE is fatal to it).
+config = PoolConfig(
+    register_timeout_s=90.0, close_timeout_s=2.0, restart_backoff_s=2.0, restart_backoff_max_s=2.0
+)
 pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=[{"env_id": 0}, {"env_id": 1}], config=config)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 
