@@ -86,6 +86,17 @@ def test_a_thread_per_env_on_its_own_channel(pools, which):
     assert seen == {env: [env + k for k in range(1, ROUNDS + 1)] for env in range(NUM_ENVS)}
 
 
+def step_each_env_when_ready(pool, root, ready: queue.Queue[int], total: int) -> None:
+    """A producer: every env's first step, then each env's next as ``ready`` names it."""
+    for env in range(NUM_ENVS):
+        ready.put(env)
+    for _ in range(total):
+        env = ready.get(timeout=JOIN_TIMEOUT_S)
+        row = root[[env]].exclude("env_index")
+        row["action"] = torch.ones(1, 1, dtype=torch.int8)
+        pool.async_step_send(row, env_index=[env])
+
+
 @pytest.mark.parametrize("which", ["oracle", "zmqpool"])
 def test_one_thread_sends_while_another_receives(pools, which):
     """A producer sends each env's next step as soon as a consumer has its result."""
@@ -96,13 +107,7 @@ def test_one_thread_sends_while_another_receives(pools, which):
     total = ROUNDS * NUM_ENVS
 
     def produce() -> None:
-        for env in range(NUM_ENVS):
-            ready.put(env)
-        for _ in range(total):
-            env = ready.get(timeout=JOIN_TIMEOUT_S)
-            row = root[[env]].exclude("env_index")
-            row["action"] = torch.ones(1, 1, dtype=torch.int8)
-            pool.async_step_send(row, env_index=[env])
+        step_each_env_when_ready(pool, root, ready, total)
 
     def consume() -> None:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -150,13 +155,7 @@ def test_two_threads_receiving_on_the_batch_channel_with_deadlines_share_every_r
     done = threading.Event()
 
     def produce() -> None:
-        for env in range(NUM_ENVS):
-            ready.put(env)
-        for _ in range(total):
-            env = ready.get(timeout=JOIN_TIMEOUT_S)
-            row = root[[env]].exclude("env_index")
-            row["action"] = torch.ones(1, 1, dtype=torch.int8)
-            pool.async_step_send(row, env_index=[env])
+        step_each_env_when_ready(pool, root, ready, total)
         done.set()
 
     def consume() -> None:
