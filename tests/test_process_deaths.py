@@ -330,6 +330,18 @@ def sync_step(pool, values: list[float], mask: bool = False) -> TensorDictBase:
     return pool.step(td)
 
 
+def assert_truncated_then_stepped_on(pool, env: int) -> None:
+    """Of two envs: the next sync step answers ``env`` with its restart's truncation (the
+    reset's observation), naming it once; the step after goes on from that reset."""
+    out = sync_step(pool, [0.1, 0.1])
+    assert pool.last_restarted_envs == [env]
+    assert out["next", "truncated"].tolist() == [[e == env] for e in range(2)]
+    assert out["next", "observation"][env, 1].item() == 0.0  # the reset's step count
+    out = sync_step(pool, [0.1, 0.1])
+    assert pool.last_restarted_envs == [] and not out["next", "truncated"].any()
+    assert out["next", "observation"][env, 1].item() == 1.0  # on from the reset
+
+
 class _Stop(Exception):
     """What a caller's own SIGINT handler raises instead of KeyboardInterrupt."""
 
@@ -380,13 +392,7 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
             finally:
                 ctrl_c.join(timeout=5)
         assert restarts(pool) == [1, 0] and pool.last_restarted_envs == []
-        out = sync_step(pool, [0.1, 0.1])
-        assert pool.last_restarted_envs == [0]
-        assert out["next", "truncated"].tolist() == [[True], [False]]
-        assert out["next", "observation"][0, 1].item() == 0.0  # the reset's step count
-        out = sync_step(pool, [0.1, 0.1])
-        assert pool.last_restarted_envs == [] and not out["next", "truncated"].any()
-        assert out["next", "observation"][0, 1].item() == 1.0  # on from the reset
+        assert_truncated_then_stepped_on(pool, 0)
     finally:
         signal.signal(signal.SIGINT, previous)
         pool.close()
@@ -424,12 +430,7 @@ def test_a_restart_whose_rebuilt_env_cannot_reset_owes_its_truncation(api):
         kill.join(timeout=5)
         assert "was restarted" in "".join(getattr(info.value, "__notes__", []))
         assert restarts(pool) == [0, 1] and pool.last_restarted_envs == []
-        out = sync_step(pool, [0.1, 0.1])
-        assert pool.last_restarted_envs == [1]
-        assert out["next", "truncated"].tolist() == [[False], [True]]
-        assert out["next", "observation"][1, 1].item() == 0.0  # the reset's step count
-        out = sync_step(pool, [0.1, 0.1])
-        assert not out["next", "truncated"].any() and out["next", "observation"][1, 1].item() == 1
+        assert_truncated_then_stepped_on(pool, 1)
     finally:
         pool.close()
 

@@ -184,7 +184,10 @@ class Intake:
             ):
                 deliver(Reply(env, pending, parts, None, pending.synth), now)  # the usual reply
             else:
-                deliver(self._owing(_checked_reply(env, pending, parts, records[env].check)), now)
+                reply = _checked_reply(env, pending, parts, records[env].check)
+                if reply.error is not None:
+                    self._owing(reply)
+                deliver(reply, now)
 
     def _on_reply(self, header: Header, frames: list[Any], record: EnvRecord) -> None:
         """A result or error from the worker of ``record``: the answer to its oldest request."""
@@ -207,10 +210,12 @@ class Intake:
             except ProtocolError as err:  # the request was real: answer it with the error
                 parts = err
             reply = _checked_reply(header.env, pending, parts, record.check)
-        self.ledger.deliver(self._owing(reply), now)
+        if reply.error is not None:  # a call per error only: this runs for every reply
+            self._owing(reply)
+        self.ledger.deliver(reply, now)
 
-    def _owing(self, reply: Reply) -> Reply:
-        """``reply``; a restart's truncation it answers with an error instead is owed again.
+    def _owing(self, reply: Reply) -> None:
+        """A restart's truncation that ``reply`` (an error) answers instead is owed again.
 
         The reset sent in place of a request cut short by a restart (``synth``)
         raised in the rebuilt env: the caller gets that error, and the env goes
@@ -218,7 +223,8 @@ class Intake:
         truncation. Else that step would step an env never reset. Not when a
         reset is in flight behind it (:meth:`_resets_queued`).
         """
-        if reply.error is not None and reply.pending.synth and not self._resets_queued(reply.env):
+        assert reply.error is not None
+        if reply.pending.synth and not self._resets_queued(reply.env):
             self.roster.owe_truncation(reply.env)
             cause = self.roster.envs[reply.env].last_restart_cause
             reply.error.add_note(
@@ -226,7 +232,6 @@ class Intake:
                 "this is its rebuilt env's reset, sent in place of the request: its next "
                 "step is sent as a reset again, answered as the restart's truncation"
             )
-        return reply
 
     def _resets_queued(self, env: int) -> bool:
         """Whether a reset is in flight on ``env`` behind the one that failed: another

@@ -458,7 +458,8 @@ def reset_kwargs(kwargs: dict[str, Any], num_envs: int) -> list[dict[str, Any]] 
         per_env = [{**_names_to_values(each, env), **kwargs} for env, each in enumerate(per_env)]
     if not any(per_env):
         return None
-    return [_crossing(_names_to_values(each, env), env) for env, each in enumerate(per_env)]
+    # Names checked: **kwargs gives str keys, and list_of_kwargs' dicts were checked above.
+    return [_crossing(each, env) for env, each in enumerate(per_env)]
 
 
 def _names_to_values(kwargs: Any, env: int) -> dict[str, Any]:
