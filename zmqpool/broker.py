@@ -38,7 +38,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import zmq
@@ -57,6 +57,7 @@ from zmqpool.limits import (
 )
 from zmqpool.protocol import recv_frames, send_frames
 from zmqpool.security import ServerKeys, make_server, start_authenticator
+from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
 
@@ -221,6 +222,22 @@ class Broker:
             return False
         return True
 
+    def _await_departures(self, identities: Sequence[bytes], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the remote peers ``identities`` to leave.
+
+        A peer has left once ``ROUTER_MANDATORY`` can no longer route to it:
+        a PING (which workers ignore) is routed to each every
+        :data:`DEPARTURE_PROBE_S`. A peer whose queue is full (``EAGAIN``) is
+        still there.
+        """
+        assert self.remote is not None, "only remote peers are waited for"
+        probe = Header(Command.PING).encode()
+        waiting = list(identities)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            time.sleep(DEPARTURE_PROBE_S)
+            waiting = [peer for peer in waiting if _connected(self.remote.router, peer, probe)]
+
     # ------------------------------------------------------------ receiving
 
     def poll(self, timeout_s: float, sink: Sink) -> bool:
@@ -249,23 +266,44 @@ class Broker:
                 sink.on_fd(fd)
         return drained
 
-    def close(self, remote_linger_s: float = 0.0) -> None:
+    def close(self, leaving: Sequence[bytes] = (), wait_s: float = 0.0) -> None:
         """Close every socket, then stop the ZAP handler (never the other way round).
 
-        ``remote_linger_s``: how long what is queued on the remote ROUTER (the
-        pool's CLOSE to remote workers) may take to leave; the context's end
-        waits for it that long at most. Every other socket drops what it holds.
+        ``leaving``: the remote workers just told CLOSE. The remote ROUTER
+        stays open until each has read it and left, ``wait_s`` at most. A
+        linger was not enough: it waits for the CLOSE to leave, not for the
+        worker to read it, and libzmq drops a message a worker has received
+        but not yet read when the connection ends under it (the worker's
+        DEALER is ``IMMEDIATE``; docs/DESIGN_NOTES.md). The worker then took
+        the pool for gone and served the next pool with its env as it was.
+        Then every socket closes dropping what it holds.
         """
+        if leaving:
+            self._await_departures(leaving, wait_s)
         if self.beacon is not None:
             self.beacon.stop()
         for side in (self.local, self.remote):
             if side is not None:
-                linger_ms = int(remote_linger_s * 1000) if side is self.remote else 0
-                side.router.close(linger=linger_ms)
+                side.router.close(linger=0)
                 side.pull.close(linger=0)
         if self.auth is not None:  # its own sockets live in this context: before destroy()
             self.auth.stop()
         self.context.destroy(linger=0)
+
+
+def _connected(router: zmq.Socket, peer: bytes, probe: bytes) -> bool:
+    """Whether ``router`` still routes to ``peer`` (``probe`` is sent to find out)."""
+    try:
+        send_frames(router, [peer, probe], zmq.NOBLOCK)
+    except zmq.ZMQError as err:
+        return err.errno == zmq.EAGAIN  # EHOSTUNREACH: its connection is gone
+    return True
+
+
+#: How often :meth:`Broker.close` looks whether a peer has left: well
+#: under the time a remote supervisor takes to start an env process that would
+#: connect again under the same identity.
+DEPARTURE_PROBE_S = 0.005
 
 
 def _io_context(batch_sched: bool) -> zmq.Context:

@@ -125,12 +125,12 @@ class Resources:
         _OPEN.discard(self)
         try:
             processes = self.roster.processes() if self.roster is not None else []
-            told_remote = False
+            told_remote: list[bytes] = []
             if self.broker is not None and self.roster is not None:
                 close = Header(Command.CLOSE).encode()
                 for link in self.roster.linked():
-                    self.broker.route(link.identity, [close], link.remote)
-                    told_remote |= link.remote
+                    if self.broker.route(link.identity, [close], link.remote) and link.remote:
+                        told_remote.append(link.identity)
                 for record in self.roster.local:  # a restart not registered yet: it never
                     if record.process is not None and record.link is None:  # hears CLOSE
                         record.process.kill()
@@ -142,19 +142,18 @@ class Resources:
             if self.launcher is not None:
                 self.launcher.close()
             if self.broker is not None:
-                # A remote worker's CLOSE goes over TCP, and closing its socket at once
-                # (linger 0) could drop it: the worker would wait on for a pool that is gone.
-                # It gets what is left of the grace, REMOTE_CLOSE_LINGER_S at most, to leave.
-                left = min(REMOTE_CLOSE_LINGER_S, deadline - time.monotonic())
-                self.broker.close(remote_linger_s=max(0.0, left) if told_remote else 0.0)
+                # Remote workers get what is left of the grace, REMOTE_CLOSE_WAIT_S at
+                # most, to read their CLOSE and leave (see Broker.close).
+                left = max(0.0, min(REMOTE_CLOSE_WAIT_S, deadline - time.monotonic()))
+                self.broker.close(leaving=told_remote, wait_s=left)
             remove_private_dir(self.directory)
         finally:
             interrupts.detach()
 
 
-#: The longest a pool's close waits for its CLOSE to leave for remote workers (it
-#: takes microseconds over a live connection; a worker that is gone is waited for).
-REMOTE_CLOSE_LINGER_S = 0.5
+#: The longest a pool's close waits for its remote workers to read its CLOSE and
+#: leave (a few ms for an idle worker): a host that is unreachable costs no more.
+REMOTE_CLOSE_WAIT_S = 0.5
 
 #: Every pool's resources not yet released.
 _OPEN: weakref.WeakSet[Resources] = weakref.WeakSet()
