@@ -416,7 +416,7 @@ def check_step_input(
         >>> check_step_input(td, [1], spec, 2, strict=True)
         Traceback (most recent call last):
         ...
-        ValueError: action 'action': expected dtype torch.float32, got torch.float64 (shape (1, 1))
+        zmqpool.errors.InputError: ... expected dtype torch.float32, got torch.float64 (shape ...)
     """
     return step_input_spec(input_spec, num_envs, strict)(td, env_indices)
 
