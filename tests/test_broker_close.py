@@ -11,9 +11,11 @@ now waits until each such worker has left, a bounded time.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
+import pytest
 import zmq
 
 from zmqpool.broker import Broker
@@ -47,8 +49,8 @@ class _Worker(threading.Thread):
                     continue
                 self.got_close = header.command == Command.CLOSE
         finally:
-            self.dealer.close()
             self.left_at = time.monotonic()
+            self.dealer.close()
 
 
 def _broker_and_worker_dealer(context: zmq.Context, identity: bytes) -> tuple[Broker, zmq.Socket]:
@@ -87,6 +89,7 @@ def test_the_close_waits_until_a_worker_told_close_has_read_it_and_left():
         worker.join(timeout=10.0)
         assert worker.got_close
         assert worker.left_at <= closed_at, "the ROUTER closed before the worker had left"
+        assert closed_at - worker.left_at < 1.0, "the close waited on after the worker left"
     finally:
         worker.join(timeout=10.0)
         context.destroy(linger=0)
@@ -103,5 +106,33 @@ def test_a_worker_that_never_reads_costs_the_close_its_wait_and_no_more():
         took = time.monotonic() - started
         assert 0.3 <= took < 2.0, took
     finally:
+        dealer.close()
+        context.destroy(linger=0)
+
+
+def test_a_ctrl_c_during_the_wait_still_closes_every_socket():
+    """The wait is Python's (a sleep between probes): an interrupt there must not leave the
+    ports bound, the ZAP thread running and the context alive for good."""
+    context = zmq.Context()
+    broker, dealer = _broker_and_worker_dealer(context, b"silent")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        _route_once_connected(broker, b"silent", Header(Command.CLOSE).encode())
+        assert broker.tcp is not None
+        endpoint = broker.tcp.router
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            broker.close(leaving=[b"silent"], wait_s=5.0)
+        again = context.socket(zmq.ROUTER)
+        again.linger = 0
+        again.bind(endpoint)  # the pool's port is free: its ROUTER is closed
+        again.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         dealer.close()
         context.destroy(linger=0)

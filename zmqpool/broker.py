@@ -226,7 +226,8 @@ class Broker:
         """Wait up to ``timeout_s`` for the remote peers ``identities`` to leave.
 
         A peer has left once ``ROUTER_MANDATORY`` can no longer route to it:
-        a PING (which workers ignore) is routed to each every
+        its connection is gone (normally: it read the CLOSE and exited). A
+        PING (which workers ignore) is routed to each every
         :data:`DEPARTURE_PROBE_S`. A peer whose queue is full (``EAGAIN``) is
         still there.
         """
@@ -276,10 +277,16 @@ class Broker:
         but not yet read when the connection ends under it (the worker's
         DEALER is ``IMMEDIATE``; docs/DESIGN_NOTES.md). The worker then took
         the pool for gone and served the next pool with its env as it was.
-        Then every socket closes dropping what it holds.
+        Then every socket closes dropping what it holds, a Ctrl-C during the
+        wait included.
         """
-        if leaving:
-            self._await_departures(leaving, wait_s)
+        try:
+            if leaving:
+                self._await_departures(leaving, wait_s)
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
         if self.beacon is not None:
             self.beacon.stop()
         for side in (self.local, self.remote):

@@ -77,7 +77,8 @@ class PoolConfig:
     #: replacement fork server's start and each env's ``set_seed`` reply.
     register_timeout_s: float = 120.0
     #: how long ``close()`` waits for workers to exit before killing them (a
-    #: worker not registered yet, a restart under way, is killed at once).
+    #: worker not registered yet, a restart under way, is killed at once;
+    #: remote workers, which it cannot kill, get 0.5 s more at most to leave).
     close_timeout_s: float = 3.0
     #: an env step or reset running longer than this is hung (None: never): a
     #: local worker is killed and restarted; a remote worker's slots are

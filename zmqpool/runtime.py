@@ -115,6 +115,10 @@ class Resources:
     def release(self, grace_s: float | None = None) -> None:
         """Close workers (waiting ``grace_s``, default the config's close timeout), then kill.
 
+        Local workers still there after ``grace_s`` are killed; remote ones
+        are waited for :data:`REMOTE_CLOSE_WAIT_S` more at most, to read
+        their CLOSE and leave.
+
         In a forked child it does nothing: a child that exits (running its
         inherited finalizers) or calls ``close()`` must not stop the parent's
         workers nor remove its sockets.
@@ -135,24 +139,24 @@ class Resources:
                     if record.process is not None and record.link is None:  # hears CLOSE
                         record.process.kill()
             grace_s = self.config.close_timeout_s if grace_s is None else grace_s
-            deadline = time.monotonic() + grace_s
             stop_all(processes, grace_s)
             for launcher in self.launchers:
                 launcher.stop()
             if self.launcher is not None:
                 self.launcher.close()
             if self.broker is not None:
-                # Remote workers get what is left of the grace, REMOTE_CLOSE_WAIT_S at
-                # most, to read their CLOSE and leave (see Broker.close).
-                left = max(0.0, min(REMOTE_CLOSE_WAIT_S, deadline - time.monotonic()))
-                self.broker.close(leaving=told_remote, wait_s=left)
+                # Remote workers get REMOTE_CLOSE_WAIT_S to read their CLOSE and leave (see
+                # Broker.close), whatever the grace: a failed start's (0) too, as waiting
+                # costs only while a worker is still connected.
+                self.broker.close(leaving=told_remote, wait_s=REMOTE_CLOSE_WAIT_S)
             remove_private_dir(self.directory)
         finally:
             interrupts.detach()
 
 
 #: The longest a pool's close waits for its remote workers to read its CLOSE and
-#: leave (a few ms for an idle worker): a host that is unreachable costs no more.
+#: leave, after its local workers have stopped (a few ms for idle workers): a host
+#: that is unreachable costs no more.
 REMOTE_CLOSE_WAIT_S = 0.5
 
 #: Every pool's resources not yet released.

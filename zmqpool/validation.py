@@ -413,10 +413,11 @@ def check_step_input(
         >>> td = TensorDict({"action": torch.zeros(1, 1, dtype=torch.float64)}, [1])
         >>> check_step_input(td, [1], spec, 2)  # the env gets it as it is
         [1]
-        >>> check_step_input(td, [1], spec, 2, strict=True)
+        >>> check_step_input(td, [1], spec, 2, strict=True)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        zmqpool.errors.InputError: ... expected dtype torch.float32, got torch.float64 (shape ...)
+        zmqpool.errors.InputError: action 'action': expected dtype torch.float32,
+        got torch.float64 (shape (1, 1))
     """
     return step_input_spec(input_spec, num_envs, strict)(td, env_indices)
 
