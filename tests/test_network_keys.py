@@ -66,6 +66,20 @@ def worker(context, victim: Victim, port: int, key_dir, key: int, name: bytes) -
     return ScriptedWorker(context, victim.hello, HOST, port, client_keys(key_dir, key), name)
 
 
+@contextlib.contextmanager
+def key_0_holding_the_slot(tmp_path, key_dir, context, name: bytes):
+    """A victim pool of one remote slot, constructed with a worker of key 0 in it.
+
+    Yields ``(victim, port, worker, env)``.
+    """
+    port = free_port_base(HOST)
+    with victim_on(tmp_path, key_dir, port) as victim:
+        peer = worker(context, victim, port, key_dir, 0, name)
+        [env] = welcomed(peer, victim)
+        victim.wait("constructed", timeout_s=30)
+        yield victim, port, peer, env
+
+
 def welcomed(w: ScriptedWorker, victim: Victim, body=None, timeout_s: float = 60.0) -> list[int]:
     """``w`` registers until welcomed; its env slots (AssertionError otherwise)."""
     reply = w.register(body, timeout_s=timeout_s, until=lambda: victim.seen("construct_failed"))
@@ -449,12 +463,9 @@ def test_a_revoked_key_is_dropped_and_refused(tmp_path, key_dir, context):
     key 0 gets no WELCOME. Key 1 then takes the slot; the step comes back as a
     restart, answered by key 1's worker.
     """
-    port = free_port_base(HOST)
     key_file = key_dir / "authorized" / "worker-0.key"
-    with victim_on(tmp_path, key_dir, port) as victim:
-        revoked = worker(context, victim, port, key_dir, 0, b"to-revoke")
-        [env] = welcomed(revoked, victim)
-        victim.wait("constructed", timeout_s=30)
+    with key_0_holding_the_slot(tmp_path, key_dir, context, b"to-revoke") as held:
+        victim, port, revoked, env = held
         victim.command(f'send-envs {{"envs": [{env}]}}')
         victim.wait("sent", "send_failed", timeout_s=10)
         command = revoked.command(10)
@@ -495,12 +506,9 @@ def test_a_revoked_key_stays_refused_when_the_pool_starts_again(tmp_path, key_di
     call): the key is refused still, though ``authorized/`` lists it (remote audit: the
     revocation lived in the closed runtime, and the revoked worker was taken back).
     """
-    port = free_port_base(HOST)
     key_file = key_dir / "authorized" / "worker-0.key"
-    with victim_on(tmp_path, key_dir, port) as victim:
-        first = worker(context, victim, port, key_dir, 0, b"before")
-        [env] = welcomed(first, victim)
-        victim.wait("constructed", timeout_s=30)
+    with key_0_holding_the_slot(tmp_path, key_dir, context, b"before") as held:
+        victim, port, first, env = held
         victim.command(f"revoke {key_file}")
         assert victim.wait("revoked", "revoke_failed", timeout_s=10)["event"] == "revoked"
         first.close()

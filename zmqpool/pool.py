@@ -540,13 +540,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             yield
         except (EnvError, EnvLostError):
             # Held whole (the caller's ``with interrupts.WHOLE`` is outside this one), a
-            # Ctrl-C waits for the settling too; a second one may cut it short, and the
-            # rest is then left for the next sync call, as for any interrupted call.
-            try:
-                self._settle(kind)
-            except BaseException:
-                self._interrupted_sync[kind] = self._awaiting(kind)
-                raise
+            # Ctrl-C waits for the settling too; a second one may cut it short.
+            self._settle_or_leave_to_next(kind)
             raise
         except BaseException:  # a Ctrl-C in a wait (or what the caller's handler raised):
             if ours:
@@ -569,11 +564,15 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                     "dropping the results of the %s call interrupted before them", kind.value
                 )
                 with self._gate, interrupts.WHOLE:
-                    try:
-                        self._settle(kind)
-                    except BaseException:  # a second Ctrl-C: the next call settles the rest
-                        self._interrupted_sync[kind] = self._awaiting(kind)
-                        raise
+                    self._settle_or_leave_to_next(kind)
+
+    def _settle_or_leave_to_next(self, kind: Kind) -> None:
+        """:meth:`_settle`; cut short (a second Ctrl-C), the rest is left for the next sync call."""
+        try:
+            self._settle(kind)
+        except BaseException:
+            self._interrupted_sync[kind] = self._awaiting(kind)
+            raise
 
     def _settle(self, kind: Kind) -> None:
         """Take (and drop) what the batch channel of ``kind`` still awaits, errors included.
