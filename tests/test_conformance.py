@@ -428,6 +428,25 @@ class TestCountingPool:
         o, z = pair.both(lambda p: p.step(with_ones(p, p.reset())))
         assert_same_td(o, z, "step()")
 
+    @pytest.mark.parametrize("call", ["step", "step_and_maybe_reset"])
+    def test_a_sync_step_returns_the_callers_tensordict_as_serial_env_does(self, pair, call):
+        # torchrl differs: its pool returns a new tensordict and leaves the caller's
+        # without "next" (README). EnvBase.step, and so SerialEnv, write into it.
+        serial = SerialEnv(N, counting_makers(N))
+        try:
+            returned = {}
+            for name, env in (("SerialEnv", serial), ("zmqpool", pair.zmq)):
+                td = with_ones(env, env.reset())
+                out = getattr(env, call)(td)
+                root = out[0] if call == "step_and_maybe_reset" else out
+                assert root is td and "next" in td, f"{name}: {call} made a new tensordict"
+                returned[name] = td
+            assert_same_td(
+                returned["SerialEnv"], returned["zmqpool"], f"{call}(td)", exclude=[ENV_INDEX]
+            )
+        finally:
+            serial.close(raise_if_closed=False)
+
     @pytest.mark.parametrize("dtype", ACTION_DTYPES, ids=str)
     def test_step_takes_actions_of_another_dtype(self, pair, dtype):
         # torchrl hands the caller's tensor to the env as it is (CountingEnv

@@ -154,7 +154,9 @@ def test_a_single_env_input_is_checked_without_the_env_dim():
         ([1, 1], ValueError, r"repeat env \[1\]"),
         ([1, -1], ValueError, r"env indices \[1, -1\] repeat env \[1\]"),
         ([0, 1.0], TypeError, "must be integers"),
-        ([True, 0], TypeError, "must be integers"),
+        ([True, 0], TypeError, r"must be integers, got True \(a bool\)"),
+        (True, TypeError, r"must be integers, got True \(a bool\)"),
+        (np.bool_(False), TypeError, r"must be integers, got np.False_ \(a bool\)"),
         ("01", TypeError, "an int or a list of ints"),
     ],
 )

@@ -128,14 +128,14 @@ _INT_ONLY = {int}
 
 
 def _one_index(value: Any) -> int | None:
-    """``value`` as one env's index if it is a single integer (not a bool); else None."""
+    """``value`` as one env's index if it is a single integer (a bool: ``TypeError``); else None."""
     if type(value) is int:
         return value
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return _as_index(value) if value.ndim == 0 else None
-    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-        return None  # a bool is refused with the items; anything else may be a sequence
-    return _as_index(value)  # numpy's integers, and whatever else says it is one
+    if isinstance(value, (bool, np.bool_)) or hasattr(value, "__index__"):
+        return _as_index(value)  # numpy's integers, and whatever says it is one; a bool raises
+    return None  # it may be a sequence
 
 
 def _index_items(value: Any) -> list[Any]:
@@ -183,7 +183,8 @@ def _as_index(value: Any) -> int:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         _check_integer_dtype(value)
     elif isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"env indices must be integers, got {value!r}")
+        # torchrl's pool takes True for env 1: here it is more likely a mask's item.
+        raise TypeError(f"env indices must be integers, got {value!r} (a bool)")
     try:
         return operator.index(value)
     except TypeError:
