@@ -73,6 +73,7 @@ from tests.conformance import (
 from tests.conftest import awaited
 from zmqpool import (
     BatchSizeMismatchError,
+    EnvBusyError,
     EnvError,
     EnvMakerError,
     MissingKeyError,
@@ -521,14 +522,25 @@ class TestCountingPool:
         o, z = pair.both(run)
         assert_same_td(o, z, f"rollout(10, break_when_any_done={break_when_any_done})")
 
-    def test_sync_step_while_an_async_step_is_in_flight_is_refused(self, pair):
+    @pytest.mark.parametrize("call", ["reset", "step", "step_and_maybe_reset", "rollout"])
+    def test_a_sync_call_while_an_async_step_is_in_flight_is_refused(self, pair, call):
+        # torchrl's RuntimeError; here the EnvBusyError of every busy refusal (README).
+        calls = {
+            "reset": lambda p, td: p.reset(),
+            "step": lambda p, td: p.step(td),
+            "step_and_maybe_reset": lambda p, td: p.step_and_maybe_reset(td),
+            "rollout": lambda p, td: p.rollout(2),
+        }
+        inputs = {}
         for p in pair.pools:
+            inputs[id(p)] = with_ones(p, p.reset())
             p.async_step_send(with_ones(p, p.reset()))
         try:
-            assert_same_error(
-                lambda: pair.oracle.step(with_ones(pair.oracle, pair.oracle.reset())),
-                lambda: pair.zmq.step(with_ones(pair.zmq, pair.zmq.reset())),
+            error = assert_same_error(
+                *(functools.partial(calls[call], p, inputs[id(p)]) for p in pair.pools)
             )
+            assert isinstance(error, EnvBusyError), type(error).__mro__
+            assert str(error).startswith("Some envs are still processing a step"), error
         finally:
             for p in pair.pools:
                 drain(p, RECV_TIMEOUT)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from zmqpool.launcher import REPORT_WAIT_S, ForkedProcess
+
 REPO = Path(__file__).resolve().parents[1]
 REGISTER_TIMEOUT_S = 8.0
 
@@ -135,3 +137,39 @@ def test_a_stopped_fork_server_costs_a_restart_at_most_register_timeout(tmp_path
         proc.wait(timeout=30)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+class _SilentZygote:
+    """A fork server that is alive and reports nothing (stopped): what each question waited."""
+
+    pid = 0
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def alive(self) -> bool:
+        return True
+
+    def status_of(self, pid: int, wait_s: float) -> None:
+        self.waits.append(wait_s)
+
+
+def test_a_silent_fork_server_holds_a_worker_s_death_up_once():
+    """The runtime asks a dead worker its status and then its cause: with a zygote that
+    stopped reporting, each question waited REPORT_WAIT_S for the report (2 s a death)."""
+    child = subprocess.Popen(["sleep", "60"])
+    zygote = _SilentZygote()
+    process = None
+    try:
+        process = ForkedProcess(child.pid, zygote)  # type: ignore[arg-type]
+        assert process.exit_status() is None and zygote.waits == []  # alive: nothing asked
+        child.kill()
+        assert process.wait(10.0)  # its pidfd says it died (a zombie: not reaped yet)
+        assert process.exit_status() is None and process.exit_cause() is None
+        assert process.exit_status() is None
+        assert zygote.waits == [REPORT_WAIT_S, 0.0, 0.0]
+    finally:
+        if process is not None:
+            process.release()  # its pidfd
+        child.kill()
+        child.wait(timeout=10)

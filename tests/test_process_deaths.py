@@ -29,7 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from tests.conftest import pids_alive
 from tests.exactly_once import ExactlyOnce
-from zmqpool import EnvError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool import EnvError, PoolConfig, RecvTimeoutError, ZMQAsyncEnvPool
 from zmqpool.launcher import ENV_THREAD_DIED, ForkServerWarning
 from zmqpool.roster import WorkerRecord
 from zmqpool.testing import CountingEnv, FaultyEnv
@@ -258,10 +258,18 @@ def test_a_cheap_env_stepped_inline_that_ends_its_worker_restarts_it_with_trunca
         out = step(pool, [0.9, 0.1])
         assert pool.last_restarted_envs == [0, 1] and out["next", "truncated"].all()
         assert restarts(pool) == [1, 1]
+        # A recv that raises returns no result, so none from a restart (it kept the last's).
+        slow = TensorDict({"action": torch.tensor([[0.5]])}, [1])  # a step of 1 s
+        pool.async_step_send(slow, env_index=[0])
+        with pytest.raises(RecvTimeoutError):
+            pool.async_step_recv(min_get=1, timeout=0.05)
+        assert pool.last_restarted_envs == []
+        pool.async_step_recv(min_get=1, timeout=30)
         cause = env_stats(pool)[0]["last_restart_cause"]
         assert cause.startswith("exited with code")
         assert ENV_THREAD_DIED == 70 and "code 70" not in cause  # not from an env thread
-        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+        # On from the restart's reset: env 0 took the slow step too.
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [2.0, 1.0]
     finally:
         pool.close()
 

@@ -278,7 +278,9 @@ def test_on_env_error_restart_logs_the_traceback_and_truncates(caplog):
             out = step_one(pool)
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
         assert "FaultyEnv 0 failed at step 2" in caplog.text
-        assert "raised" in pool.env_stats()[0]["last_restart_cause"]
+        cause = pool.env_stats()[0]["last_restart_cause"]
+        assert cause.startswith("env raised: ") and "FaultyEnv 0 failed at step 2" in cause, cause
+        assert cause.count("raised") == 1, cause  # once, not "env 0 raised: env 0: env raised"
     finally:
         pool.close()
 

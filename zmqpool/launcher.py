@@ -361,6 +361,11 @@ def worker_argv(
     ]
 
 
+#: How long a worker's death waits for its fork server's report of its exit status
+#: (sent as the zygote reaps it: milliseconds, unless the zygote is stopped or wedged).
+REPORT_WAIT_S = 1.0
+
+
 class ForkedProcess(_Watched):
     """A worker forked by the :class:`ForkServer`; the zygote reaps it and reports its status."""
 
@@ -370,6 +375,9 @@ class ForkedProcess(_Watched):
         self.pidfd = os.pidfd_open(pid)  # ProcessLookupError: already dead and reaped
         self._status: int | None = None
         self._status_known = False
+        #: its death was waited on for a report once: a zygote that is stopped
+        #: (alive, silent) holds up a recv once per death, not at each question.
+        self._report_awaited = False
 
     def _dead(self, timeout_s: float) -> bool:
         if self.pidfd < 0:
@@ -383,7 +391,9 @@ class ForkedProcess(_Watched):
             return self._status
         if not self._dead(0.0):
             return None
-        self._status = self.server.status_of(self.pid, wait_s=1.0)
+        wait_s = 0.0 if self._report_awaited else REPORT_WAIT_S
+        self._report_awaited = True
+        self._status = self.server.status_of(self.pid, wait_s=wait_s)
         # A live zygote that has not reported yet may still; a dead one never will.
         self._status_known = self._status is not None or not self.server.alive()
         return self._status

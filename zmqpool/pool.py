@@ -271,7 +271,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 )
         self.on_env_error = on_env_error
         self.config = config or PoolConfig()
-        #: env indices whose results in the latest recv were synthesized by a restart.
+        #: env indices whose results in the latest recv were synthesized by a restart
+        #: (none after a recv that raised).
         self.last_restarted_envs: list[int] = []
         self._resources = Resources(self.config)
         self._finalizer = weakref.finalize(self, Resources.release, self._resources)
@@ -645,7 +646,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
                 # envs it selects only. torchrl's pool resets every env (zmqpool.partial).
                 return EnvBase.reset(self, tensordict, **kwargs)
         keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
-        self._settle_interrupted()
+        # torchrl's reset checks this first, with a plain RuntimeError: ours is the
+        # EnvBusyError (a RuntimeError) of every other sync call's refusal.
+        self._check_idle(Kind.STEP)
         with interrupts.WHOLE, self._settled_on_error(Kind.RESET):
             if keywords is None:
                 return super().reset(tensordict)
@@ -787,6 +790,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         replies = taking.replies
         channel = replies[0].pending.channel
         self._runtime.give_back(channel, replies)
+        self.__dict__["last_restarted_envs"] = []  # they are the next recv's to name
         if channel[1] is None:
             self._busy.update(r.env for r in replies)
 
@@ -799,6 +803,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         timeout: float | None,
     ) -> list[Reply]:
         self._check_open()
+        # Until this recv returns: one that raises returns no result from a restart.
+        self.__dict__["last_restarted_envs"] = []
         # On an env's own channel too, where torchrl's pool ignores it.
         timeout = _checked_timeout(timeout)
         if env_index is not None:
@@ -902,7 +908,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_exclusive
     def env_stats(self, *, reset: bool = False) -> dict[int, dict[str, Any]]:
-        """Per env: steps, restarts, the last restart's cause, step latency (ms, p50 and p99).
+        """Per env: steps, restarts, the last restart's cause, request latency (ms, p50 and p99).
 
         ``reset=True`` clears the latencies after the snapshot.
 

@@ -177,7 +177,7 @@ class Supervisor:
             return False  # a remote env: its own host restarts it; the caller gets the error
         self.ledger.requeue(env, pending)
         log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
-        cause = f"env {env} raised: {str(error).splitlines()[0]}"
+        cause = error.reason.splitlines()[0]  # "env raised: ValueError(...)": the env's row
         self._kill(record, cause, error.remote_traceback)
         return True
 
