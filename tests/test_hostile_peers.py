@@ -207,9 +207,9 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
 
 
 def test_a_key_gets_a_bounded_number_of_registrations_read(tmp_path, key_dir, context):
-    """1,000 small malformed REGISTERs from one key: most are dropped unread, none refused twice.
+    """1,000 small malformed REGISTERs from one key: most are dropped unchecked, none refused twice.
 
-    Each one read costs the trainer its checks, a REFUSE and a log line (a
+    A REGISTER checked costs the trainer the checks, a REFUSE and a log line (a
     flood of them made 200 local steps take 6.4 s, against 0.2 s); a key
     gets ``REGISTER_BURST`` at once and ``REGISTERS_PER_S`` after that.
     """

@@ -8,12 +8,15 @@ real processes in test_restart.py, test_process_deaths.py and test_remote.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from zmqpool.codec import Decoder, Encoder
 from zmqpool.errors import CrashLoopError, NoRoomError, RegistrationError
 from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase
 from zmqpool.specs import spec_to_data
+from zmqpool.state import Ledger
 from zmqpool.testing import CountingEnv
 
 SPEC = CountingEnv().specs
@@ -193,3 +196,23 @@ def test_a_replacement_host_takes_its_keys_slots_within_the_quota_and_no_more():
     with pytest.raises(RegistrationError, match="max_slots_per_key") as info:
         roster.plan_remote(b"b-new", "KEY", b"k", 2, [2, 3], max_per_key=2)
     assert not isinstance(info.value, NoRoomError)
+
+
+def test_refusals_are_logged_rationed_per_kind_and_key(caplog):
+    """A key's run of refusals of one kind (1st, 2nd, 4th... logged as warnings) does not
+    hide another key's reason, nor another kind of its own (README: remote workers)."""
+    ledger = Ledger(1)
+    warned = []
+    with caplog.at_level(logging.DEBUG, logger="zmqpool"):
+        for who, kind, key in [
+            *[(b"a", "RegistrationError", "K1")] * 3,
+            (b"b", "RegistrationError", "K2"),
+            (b"a", "NoRoomError", "K1"),
+            (b"a", "RegistrationError", "K1"),
+        ]:
+            caplog.clear()
+            ledger.refuse(who, f"{kind} of {key}", kind, key)
+            (record,) = caplog.records
+            warned.append(record.levelno == logging.WARNING)
+    assert warned == [True, True, False, True, True, True]  # the last: K1's 4th of its kind
+    assert ledger.refused == 6

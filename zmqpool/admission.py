@@ -195,15 +195,15 @@ class Registrar:
         data = frames[0].buffer
         if len(data) > MAX_SMALL_CONTROL_BYTES and not self._may_unpack(data, frames[0], remote):
             return
+        key = peer_key(frames[0]) if remote else None
         try:
             header = Header.decode(data)
         except VersionMismatchError as err:
-            self._refuse_version(identity, err, remote)
+            self._refuse_version(identity, err, remote, key)
             return
         except ProtocolError as err:
             self.ledger.drop(f"malformed control header: {type(err).__name__}")
             return
-        key = peer_key(frames[0]) if remote else None
         if header.command == Command.REGISTER:
             if remote and not self._register_budget.take(key, 1):
                 self.ledger.drop("REGISTERs from one key beyond its rate")
@@ -278,11 +278,13 @@ class Registrar:
         if self._failed_log_budget.take(key, 1):
             log.warning("%s (its host restarts it, or gives up)", text)
 
-    def _refuse_version(self, identity: bytes, err: VersionMismatchError, remote: bool) -> None:
+    def _refuse_version(
+        self, identity: bytes, err: VersionMismatchError, remote: bool, key: str | None
+    ) -> None:
         # A worker of another version cannot read our REFUSE (it reads the
         # version first and stops); our own process cannot tell us either, so
         # the pool hears of it here.
-        self._refuse(identity, str(err), remote)
+        self._refuse(identity, err, remote, key)
         record = self._sender(identity, None, remote)
         if record is not None and not record.remote:
             self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
@@ -312,8 +314,9 @@ class Registrar:
         if record is not None and not record.remote and record.phase is WorkerPhase.STARTING:
             self.events.append(WorkerFailed(identity, FailureKind.REFUSED, reason))
 
-    def _refuse(self, identity: bytes, reason: str, remote: bool) -> None:
-        self.ledger.refuse(identity, reason)
+    def _refuse(self, identity: bytes, err: Exception, remote: bool, key: str | None) -> None:
+        reason = str(err)
+        self.ledger.refuse(identity, reason, type(err).__name__, key)
         refusal = Header(Command.REFUSE, body=Refuse.because(reason).to_body())
         self.broker.route(identity, [refusal.encode()], remote)
 
@@ -330,10 +333,10 @@ class Registrar:
                 # (with backoff) and gets the slots once that worker is found silent.
                 self.ledger.drop("a REGISTER for slots its key's live worker holds: it waits")
                 return
-            self._refuse(identity, str(err), remote)
+            self._refuse(identity, err, remote, key)
             return
         except (RegistrationError, ProtocolError) as err:
-            self._refuse(identity, str(err), remote)
+            self._refuse(identity, err, remote, key)
             self._tell_setup(identity, str(err), remote)
             return
         self._waiting_since.pop(identity, None)

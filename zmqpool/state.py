@@ -116,6 +116,8 @@ class Ledger:
         self.ready: dict[Channel, list[Reply]] = {}
         self.dropped: dict[str, int] = {}
         self.refused = 0
+        #: REGISTERs refused, by (kind, the worker's key): what rations their log lines.
+        self.refusals: dict[tuple[str, str | None], int] = {}
         # Requests opened on each channel and not yet taken by a recv (in flight or
         # ready): the one count behind torchrl's ``_current_step`` and friends.
         self._awaiting: dict[Channel, int] = {}
@@ -162,11 +164,18 @@ class Ledger:
                 log, count, "dropped a message: %s: %s (%d so far)", reason, detail, count
             )
 
-    def refuse(self, who: bytes, reason: str) -> None:
-        """Count a REGISTER refused (answered with REFUSE), and say why, without flooding."""
+    def refuse(self, who: bytes, reason: str, kind: str, key: str | None) -> None:
+        """Count a REGISTER refused (answered with REFUSE), and say why, without flooding.
+
+        Logged at the 1st, 2nd, 4th... refusal of each ``kind`` (a fixed name:
+        the error's class) for each worker ``key`` (None: keyless), so that one
+        key's refusals do not hide another's reasons. Keys are the pool's
+        authorized ones (CURVE) or None: the table is as bounded as they are.
+        """
         self.refused += 1
+        count = self.refusals[kind, key] = self.refusals.get((kind, key), 0) + 1
         log_throttled(
-            log, self.refused, "refused worker %r: %s (%d so far)", who, reason, self.refused
+            log, count, "refused worker %r: %s (%d of this kind so far)", who, reason, count
         )
 
     def fail(self, envs: Sequence[int], error: Exception) -> None:
