@@ -522,7 +522,10 @@ class TestCountingPool:
         o, z = pair.both(run)
         assert_same_td(o, z, f"rollout(10, break_when_any_done={break_when_any_done})")
 
-    @pytest.mark.parametrize("call", ["reset", "step", "step_and_maybe_reset", "rollout"])
+    @pytest.mark.parametrize(
+        "call",
+        ["reset", "step", "step_and_maybe_reset", "rollout", "transformed reset", "_reset"],
+    )
     def test_a_sync_call_while_an_async_step_is_in_flight_is_refused(self, pair, call):
         # torchrl's RuntimeError; here the EnvBusyError of every busy refusal (README).
         calls = {
@@ -530,6 +533,8 @@ class TestCountingPool:
             "step": lambda p, td: p.step(td),
             "step_and_maybe_reset": lambda p, td: p.step_and_maybe_reset(td),
             "rollout": lambda p, td: p.rollout(2),
+            "transformed reset": lambda p, td: TransformedEnv(p, StepCounter()).reset(),
+            "_reset": lambda p, td: p._reset(),  # the hook TransformedEnv calls
         }
         inputs = {}
         for p in pair.pools:

@@ -18,11 +18,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from zmqpool.launcher import REPORT_WAIT_S, ForkedProcess
+from zmqpool.launcher import REPORT_WAIT_S, ForkedProcess, ForkServer
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTER_TIMEOUT_S = 8.0
@@ -173,3 +174,21 @@ def test_a_silent_fork_server_holds_a_worker_s_death_up_once():
             process.release()  # its pidfd
         child.kill()
         child.wait(timeout=10)
+
+
+def test_a_report_already_in_the_pipe_is_read_without_waiting():
+    """``status_of(pid, wait_s=0)`` (a death asked about again) reads what the zygote
+    reported: it returned None without a look, and the report stayed unread."""
+    server = ForkServer()
+    try:
+        # A worker whose arguments are refused: it exits at once, and the zygote reports it.
+        process = server.start(["--no-such-flag"], b"", None, timeout_s=120.0)
+        assert process.wait(60.0)
+        deadline = time.monotonic() + 30.0
+        status = None
+        while status is None and time.monotonic() < deadline:
+            status = server.status_of(process.pid, wait_s=0.0)
+        assert status is not None and status > 0, status  # its exit code (refused arguments)
+        process.release()
+    finally:
+        server.close()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import hostile
 import msgpack
+import pytest
 import zmq
 from hostile import Peer, ScriptedWorker, Victim, client_keys
 
@@ -206,19 +207,26 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
     assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"
 
 
-def test_a_key_gets_a_bounded_number_of_registrations_read(tmp_path, key_dir, context):
-    """1,000 small malformed REGISTERs from one key: most are dropped unchecked, none refused twice.
+@pytest.mark.parametrize("bad", ["body", "version"])
+def test_a_key_gets_a_bounded_number_of_registrations_read(tmp_path, key_dir, context, bad):
+    """1,000 small bad REGISTERs from one key: most are dropped unchecked, none refused twice.
 
     A REGISTER checked costs the trainer the checks, a REFUSE and a log line (a
     flood of them made 200 local steps take 6.4 s, against 0.2 s); a key
-    gets ``REGISTER_BURST`` at once and ``REGISTERS_PER_S`` after that.
+    gets ``REGISTER_BURST`` at once and ``REGISTERS_PER_S`` after that. A
+    malformed body, or another protocol version (refused before its body is
+    read: it was refused 1,000 times in 1.1 s).
     """
     port = free_port_base(HOST)
     with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
         victim.wait("constructed", timeout_s=60)
         peer = Peer(context, f"tcp://{HOST}:{port}", curve=client_keys(key_dir, 1), identity=b"f")
         started = time.monotonic()
-        malformed = victim.hello.header("REGISTER", {"reg": {}})
+        hello = victim.hello
+        malformed = {
+            "body": hello.header("REGISTER", {"reg": {}}),
+            "version": hello.header("REGISTER", hello.register_body(), version=99),
+        }[bad]
         for _ in range(1000):
             peer.send(malformed)
         rounds = steps_of_env_0(victim, rounds=50, timeout_s=10)  # the pool reads meanwhile

@@ -279,7 +279,7 @@ def test_on_env_error_restart_logs_the_traceback_and_truncates(caplog):
         assert pool.last_restarted_envs == [0] and out["next", "truncated"].item()
         assert "FaultyEnv 0 failed at step 2" in caplog.text
         cause = pool.env_stats()[0]["last_restart_cause"]
-        assert cause.startswith("env raised: ") and "FaultyEnv 0 failed at step 2" in cause, cause
+        assert cause.startswith("env 0 raised: ") and "FaultyEnv 0 failed at step 2" in cause, cause
         assert cause.count("raised") == 1, cause  # once, not "env 0 raised: env 0: env raised"
     finally:
         pool.close()

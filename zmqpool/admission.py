@@ -199,6 +199,10 @@ class Registrar:
         try:
             header = Header.decode(data)
         except VersionMismatchError as err:
+            # Refused unread, yet still a REFUSE and a log line: within the key's REGISTER rate.
+            if remote and not self._register_budget.take(key, 1):
+                self.ledger.drop("REGISTERs from one key beyond its rate")
+                return
             self._refuse_version(identity, err, remote, key)
             return
         except ProtocolError as err:

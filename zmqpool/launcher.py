@@ -548,9 +548,9 @@ class ForkServer:
         deadline = time.monotonic() + wait_s
         while pid not in self.statuses and not (self.closed or self._eof):
             remaining = deadline - time.monotonic()
+            self._read_reports(min(max(remaining, 0.0), 0.01))  # once at least: it may be in
             if remaining <= 0:
                 break
-            self._read_reports(min(remaining, 0.01))
         return self.statuses.pop(pid, None)
 
     def _read_reports(self, timeout_s: float) -> None:

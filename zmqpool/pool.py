@@ -468,11 +468,13 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         torchrl's pool drops them.
         """
         self._settle_interrupted()
+        envs = None
+        if tensordict is not None:
+            envs = envs_to_reset(tensordict, self.reset_keys, self.num_envs)
+        if envs is None:  # every env: refused as reset() refuses it (torchrl's is plain)
+            self._check_idle(Kind.STEP)
         with interrupts.WHOLE, self._settled_on_error(Kind.RESET):
             keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
-            envs = None
-            if tensordict is not None:
-                envs = envs_to_reset(tensordict, self.reset_keys, self.num_envs)
             if envs is None and keywords is None:
                 return super()._reset(tensordict)
             if envs is None:  # torchrl's _reset, with each env's keywords

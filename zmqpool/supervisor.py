@@ -177,7 +177,9 @@ class Supervisor:
             return False  # a remote env: its own host restarts it; the caller gets the error
         self.ledger.requeue(env, pending)
         log.warning("env %d raised; restarting its worker:\n%s", env, error.remote_traceback)
-        cause = error.reason.splitlines()[0]  # "env raised: ValueError(...)": the env's row
+        # Every env of the worker gets this cause: it names the one that raised, once.
+        what = (error.reason.splitlines() or [""])[0].removeprefix("env raised: ")
+        cause = f"env {env} raised: {what}"
         self._kill(record, cause, error.remote_traceback)
         return True
 
