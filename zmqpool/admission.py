@@ -200,19 +200,15 @@ class Registrar:
             header = Header.decode(data)
         except VersionMismatchError as err:
             # Refused unread, yet still a REFUSE and a log line: within the key's REGISTER rate.
-            if remote and not self._register_budget.take(key, 1):
-                self.ledger.drop("REGISTERs from one key beyond its rate")
-                return
-            self._refuse_version(identity, err, remote, key)
+            if self._within_register_rate(key, remote):
+                self._refuse_version(identity, err, remote, key)
             return
         except ProtocolError as err:
             self.ledger.drop(f"malformed control header: {type(err).__name__}")
             return
         if header.command == Command.REGISTER:
-            if remote and not self._register_budget.take(key, 1):
-                self.ledger.drop("REGISTERs from one key beyond its rate")
-                return
-            self._on_register(identity, key, header, remote)
+            if self._within_register_rate(key, remote):
+                self._on_register(identity, key, header, remote)
         elif header.command == Command.HEARTBEAT:
             self._on_heartbeat(identity, key, remote)
         elif header.command == Command.FAILED:
@@ -281,6 +277,13 @@ class Registrar:
         text = self.remote_failures.note(key, failed)
         if self._failed_log_budget.take(key, 1):
             log.warning("%s (its host restarts it, or gives up)", text)
+
+    def _within_register_rate(self, key: str | None, remote: bool) -> bool:
+        """Whether a remote key may have one more REGISTER checked now; else it is dropped."""
+        if not remote or self._register_budget.take(key, 1):
+            return True
+        self.ledger.drop("REGISTERs from one key beyond its rate")
+        return False
 
     def _refuse_version(
         self, identity: bytes, err: VersionMismatchError, remote: bool, key: str | None
