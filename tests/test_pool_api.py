@@ -6,6 +6,7 @@ result routed to the wrong env, lost or delivered twice shows in the numbers.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -176,6 +177,39 @@ def test_set_seed_seeds_along_serial_envs_chain(pool):
     assert pool.set_seed(100) == seed
     td = pool.reset()
     assert td["observation"][:, 3].tolist() == torch.tensor(expected).tolist()
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [np.int64(100), np.int32(100), torch.tensor(100)],
+    ids=["np.int64", "np.int32", "0-d tensor"],
+)
+def test_set_seed_takes_integers_of_any_kind(pool, seed):
+    """An np.int64 seed once failed to pack after its request was recorded: env 0 stayed
+    busy until close() (seeding audit). An integer of any kind seeds as the int it holds."""
+    expected = pool.set_seed(100)
+    assert pool.set_seed(seed) == expected
+    assert pool.reset()["observation"][0, 3].item() == 100.0
+
+
+@pytest.mark.parametrize(
+    ("seed", "error", "match"),
+    [
+        (7.0, TypeError, r"integer or None, got 7.0 \(a float\)"),
+        ("7", TypeError, r"got '7' \(a str\)"),
+        ([7], TypeError, r"got \[7\] \(a list\)"),
+        (2**64, ValueError, "outside the integers a command carries"),
+        (-(2**63) - 1, ValueError, "cannot cross the wire"),
+    ],
+    ids=["float", "str", "list", "2**64", "below -2**63"],
+)
+def test_a_seed_that_is_not_a_wire_integer_is_refused_and_leaves_no_env_busy(
+    pool, seed, error, match
+):
+    with pytest.raises(error, match=match):
+        pool.set_seed(seed)
+    assert pool.set_seed(100) is not None  # nothing was left in flight
+    assert all(stats["in_flight"] == 0 for stats in pool.env_stats().values())
 
 
 def test_set_seed_is_refused_while_an_envs_own_reset_is_in_flight(pool, fresh):

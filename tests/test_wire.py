@@ -17,6 +17,7 @@ from zmqpool.wire import (
     Header,
     Row,
     batch_messages,
+    check_header_room,
     command_rows,
     encode_message,
     joined_messages,
@@ -592,3 +593,15 @@ def test_joined_frames_of_the_wrong_size_or_layout_raise_protocol_error():
     nontensor = Header(Command.RESULTS, 0, 0, layouts=(tagged.parts[0].layout_id,))
     with pytest.raises(ProtocolError, match="tensors only"):
         decoder.decode_rows(nontensor, tagged.message(b"")[1:], 2)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"seed": np.int64(7)}, {"seed": 2**64}, {"kw": {"x": object()}}],
+    ids=["numpy", "too-large", "object"],
+)
+def test_a_header_msgpack_cannot_pack_is_a_protocol_error(body):
+    """The runtime answers its request with an error on a ProtocolError here; a TypeError
+    from msgpack escaped it and left the request in flight, unsent (seeding audit)."""
+    with pytest.raises(ProtocolError, match="cannot be packed"):
+        check_header_room([], body)

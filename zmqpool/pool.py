@@ -61,7 +61,7 @@ from zmqpool.partial import (
 from zmqpool.runtime import PoolPlan, Resources, Runtime
 from zmqpool.state import KIND_OF, STEPS, Channel, Kind, Reply
 from zmqpool.stats import BatchStats, env_stats, stats_table
-from zmqpool.validation import reset_kwargs, step_input_spec
+from zmqpool.validation import reset_kwargs, seed_argument, step_input_spec
 from zmqpool.wire import Command
 
 log = logging.getLogger("zmqpool")
@@ -879,6 +879,7 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
 
     @_starting
     def _seed_envs(self, seed: int | None, static_seed: bool) -> int | None:
+        seed = seed_argument(seed)
         if self._busy:
             raise EnvBusyError(f"cannot seed while envs {sorted(self._busy)} are busy")
         # A seed's reply comes on its env's own reset channel: one awaited there (another
@@ -889,7 +890,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         self._seeding = True
         try:
             with interrupts.WHOLE:  # cut short, it would leave a seed's reply for the next one
-                return self._runtime.set_seed(seed, static_seed, self._raise_taken)
+                # Truthy as torchrl reads it; a bool, so that np.bool_ crosses too.
+                return self._runtime.set_seed(seed, bool(static_seed), self._raise_taken)
         finally:
             self._seeding = False
 

@@ -41,7 +41,7 @@ from tensordict import NonTensorData
 from zmqpool import forkservers, interrupts
 from zmqpool.admission import Registrar
 from zmqpool.broker import Broker
-from zmqpool.codec import DecodedPart, layout_of
+from zmqpool.codec import DecodedPart, EncodedPart, layout_of
 from zmqpool.config import PoolConfig
 from zmqpool.conformity import mark_misfits
 from zmqpool.endpoints import (
@@ -505,8 +505,11 @@ class Runtime:
             self._keep_row(env, pending, link, outbox, fresh)  # sent as it came: no synth
             return
         # Encoded only if sent: encoding announces its layout on this connection.
+        parts: list[EncodedPart]
         if payload is None:
             parts, largest = [], 0
+            if pending.body is not None and not self._header_fits(env, pending, link, parts):
+                return
         else:
             part = link.encoder.encode(payload)
             parts, largest = [part], part.layout.largest_frame  # its frames are laid out so

@@ -16,6 +16,10 @@ naming what is wrong:
 - :class:`~zmqpool.errors.MissingKeyError` (a ``ValueError`` and the
   ``KeyError`` the env would raise): a missing action key.
 
+``set_seed``'s seed (:func:`seed_argument`) must be None or an integer that
+msgpack carries (numpy's and 0-d tensors' too): a ``TypeError`` or
+:class:`~zmqpool.errors.ProtocolError` (a ``ValueError``) says which it is not.
+
 A reset's keywords (:func:`reset_kwargs`) must be a dict of names to plain
 data (what msgpack carries there and back), as small as a header allows:
 a ``TypeError`` or :class:`~zmqpool.errors.ProtocolError` (a ``ValueError``)
@@ -50,6 +54,7 @@ __all__ = [
     "check_step_input",
     "env_index_arg",
     "reset_kwargs",
+    "seed_argument",
     "step_input_spec",
 ]
 
@@ -485,3 +490,37 @@ def _crossing(kwargs: dict[str, Any], env: int) -> dict[str, Any]:
             f"{MAX_RESET_KWARGS_BYTES} a command's header carries: they cannot cross the wire"
         )
     return data
+
+
+#: The integers msgpack carries: a seed outside them cannot reach an env.
+_WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1
+
+
+def seed_argument(seed: Any) -> int | None:
+    """``set_seed``'s seed as the int its command carries; refused before anything is sent.
+
+    Any integer goes as it is (``np.int64(7)``, ``torch.tensor(7)`` and
+    ``True`` as the int they hold, as torchrl's seed chain takes them); the
+    env judges its value (a negative seed is its ``ValueError``, as in
+    ``SerialEnv``). Not an integer is a ``TypeError``; an integer msgpack
+    cannot carry, a :class:`~zmqpool.errors.ProtocolError` (a ``ValueError``).
+
+    Example:
+        >>> seed_argument(np.int64(7)), seed_argument(None)
+        (7, None)
+    """
+    if seed is None:
+        return None
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(
+            f"set_seed's seed must be an integer or None, got {seed!r:.80} "
+            f"(a {type(seed).__name__})"
+        ) from None
+    if not _WIRE_INT_MIN <= value <= _WIRE_INT_MAX:
+        raise ProtocolError(
+            f"set_seed's seed {value} is outside the integers a command carries "
+            f"([-2**63, 2**64 - 1]): it cannot cross the wire"
+        )
+    return value

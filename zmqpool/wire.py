@@ -138,8 +138,8 @@ number of messages against what the peer may have in flight, before it makes
 a view of it: a batch allocates nothing (the views share the joined frame).
 
 Pieces. A remote worker's results port takes frames of a piece's size only
-(WELCOME's ``piece``, :func:`~zmqpool.limits.remote_piece_bytes`: 256 KiB, or
-1/128 of the largest frame the port's replies may hold), since a port's frame
+(WELCOME's ``piece``, :func:`~zmqpool.limits.remote_piece_bytes`: 1/128 of
+the largest frame the port's replies may hold, but at least 256 KiB), since a port's frame
 limit is what any peer, keyless too, can make the pool hold per connection
 during the CURVE handshake. A reply with a larger frame travels as a ``BATCH``
 of that one message (:func:`pieced_message`): the header as above, then its
@@ -491,7 +491,7 @@ def message_frames(
 
 def check_header_room(parts: Sequence[EncodedPart], body: dict[str, Any] | None = None) -> None:
     """Raise :class:`ProtocolError` if a message of ``parts`` (and ``body``) would have a
-    header a peer drops.
+    header a peer drops, or one msgpack cannot pack.
 
     Only non-tensor data, announced layouts and a body (a reset's keywords)
     make a header large; a peer drops a header over :data:`MAX_HEADER_BYTES`
@@ -499,7 +499,11 @@ def check_header_room(parts: Sequence[EncodedPart], body: dict[str, Any] | None 
     more, and only then.
     """
     if body is not None or any(p.nontensor or p.new_layout is not None for p in parts):
-        size = len(message_frames(Command.RESULT, 0, 0, bytes(MAX_TOKEN_BYTES), body, parts)[0])
+        try:
+            header = message_frames(Command.RESULT, 0, 0, bytes(MAX_TOKEN_BYTES), body, parts)[0]
+        except (TypeError, ValueError, OverflowError) as err:  # what msgpack cannot pack
+            raise ProtocolError(f"the message's header cannot be packed ({err})") from None
+        size = len(header)
         if size > MAX_HEADER_BYTES - _HEADER_SLACK:
             raise _header_too_large(size)
 
