@@ -24,6 +24,9 @@ may differ where done depends on the actions). Stacks are ``"dense"``: so
 are SerialEnv's results for every case (HeterogeneousCountingEnv's
 per-agent entries are lazy inside a dense stack of envs).
 
+torchrl's own envs (``torchrl.envs.custom``) that build without other
+packages are cases as well (``CUSTOM``); the rest are listed with why not.
+
 ``SERIAL_QUIRKS`` lists the few keys where SerialEnv differs from what its
 own env returns (the pools follow the env); ``TORCHRL_POOL_FAILS`` records
 where torchrl's own pool fails.
@@ -48,6 +51,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torchrl.envs.custom as custom
 import torchrl.testing.mocking_classes as mocks
 from tensordict import (
     NonTensorData,
@@ -144,6 +148,31 @@ _SPECIAL: dict[str, Case] = {
 }
 
 
+#: torchrl's own envs (``torchrl.envs.custom``) that build without other packages,
+#: as cases too: PendulumEnv's ``params`` spec (``data_cls=TensorDict``) once kept it
+#: off the wire (seeding audit).
+CUSTOM: dict[str, Case] = {
+    f"custom.{name}": Case(name, getattr(custom, name))
+    for name in ("FinancialRegimeEnv", "PendulumEnv", "TicTacToeEnv", "ToyVLAEnv")
+}
+
+#: The other ``torchrl.envs.custom`` envs, and why they are not cases.
+CUSTOM_NOT_CASES: dict[str, str] = {
+    "AntEnv": "needs the mujoco-torch package",
+    "HopperEnv": "needs the mujoco-torch package",
+    "HumanoidEnv": "needs the mujoco-torch package",
+    "SatelliteEnv": "needs the mujoco-torch package",
+    "Walker2dEnv": "needs the mujoco-torch package",
+    "MujocoEnv": "an abstract base",
+    "CubeBowlEnv": "needs a MuJoCo Menagerie checkout",
+    "MicroDuckEnv": "needs a microduck_rl checkout",
+    "MicroDuckTask": "a task description, not an env",
+    "MicroDuckTaskSampler": "a task sampler, not an env",
+    "ChessEnv": "needs the chess package",
+    "LLMHashingEnv": "its reset needs a tensordict of text (SerialEnv's reset() fails on it)",
+}
+
+
 def _cases() -> dict[str, Case]:
     cases = {
         name: _SPECIAL.get(name, Case(name, getattr(mocks, name)))
@@ -152,7 +181,7 @@ def _cases() -> dict[str, Case]:
     }
     for name, case in _SPECIAL.items():
         cases.setdefault(name, case)
-    return cases
+    return {**cases, **CUSTOM}
 
 
 CASES = _cases()
@@ -509,11 +538,17 @@ def serial_reference(name: str) -> Reference:
 
 def test_every_mock_env_is_a_case():
     classes = set(mock_env_classes())
-    covered = {case.cls for case in CASES.values()}
+    covered = {case.cls for name, case in CASES.items() if name not in CUSTOM}
     assert classes == covered | set(EXCLUDED), "a mock env is neither a case nor excluded"
     assert not covered & set(EXCLUDED)
     assert set(RANDOM) | set(SERIAL_QUIRKS) | set(TORCHRL_POOL_FAILS) <= set(RUNNABLE)
     assert len(CASES) >= 30
+
+
+def test_every_torchrl_custom_env_is_a_case_or_said_why_not():
+    cases = {case.cls for case in CUSTOM.values()}
+    assert set(custom.__all__) == cases | set(CUSTOM_NOT_CASES)
+    assert not cases & set(CUSTOM_NOT_CASES)
 
 
 @pytest.mark.parametrize("name", sorted(EXCLUDED))

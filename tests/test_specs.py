@@ -310,20 +310,26 @@ def test_batched_gym_specs_round_trip() -> None:
         env.close()
 
 
+def test_a_tensordict_data_cls_round_trips() -> None:
+    """torchrl's PendulumEnv declares its params so; specs compare data_cls (seeding audit)."""
+    spec = Composite(params=Composite(g=Unbounded(shape=()), data_cls=TensorDict))
+    back = round_trip(spec)
+    assert back["params"].data_cls is TensorDict
+
+
 # ---------------------------------------------------------------- refused on encode
 
 
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        (Composite(a=Unbounded(shape=(1,)), data_cls=TensorDict), "data_cls"),
         (Composite(c=Choice([Categorical(2), Categorical(3)])), "Choice"),
         (Unbounded(shape=(-2, 3)), "shape"),  # -1 is torchrl's variable-size dim, and crosses
         (Unbounded(shape=(2,), device="meta"), "device"),
         (NonTensor(dtype=torch.float8_e4m3fn), "dtype"),
         (nested(MAX_DEPTH + 1), "deeper"),
     ],
-    ids=["data-cls", "choice", "negative-dim", "meta-device", "float8", "too-deep"],
+    ids=["choice", "negative-dim", "meta-device", "float8", "too-deep"],
 )
 def test_encode_refuses_what_cannot_cross(spec: TensorSpec, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):

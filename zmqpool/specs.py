@@ -40,7 +40,8 @@ dims along which every slice is bitwise equal, so the expansion is exact.
 (None, bool, int, float, str, bytes, lists, dicts with str keys); anything
 else (a tensor, a tuple, an object) is dropped on encode.
 
-A ``Composite.data_cls`` travels by name, and only a tensorclass's (what
+A ``Composite.data_cls`` travels by name, and only ``TensorDict`` (what
+torchrl's ``PendulumEnv`` declares for its ``params``) or a tensorclass's (what
 torchrl's ``EnvWithTensorClass`` declares): ``data_cls`` is absent when it
 is None, so such specs are the bytes they were before it existed (a peer
 that predates it refuses the key, cleanly). It is looked up as
@@ -67,8 +68,8 @@ element only: their size is not tied to a leaf's counted shape (a mask's), or
 torchrl builds a Python object per element (``nvec``'s), so they must cost the
 sender what they cost us.
 Encoding refuses, with a ``ProtocolError``, what decoding would refuse: other
-spec classes, a ``Composite.data_cls`` that is not a tensorclass (or has a
-name no peer would accept), a non-CPU device, dims below -1 (-1 is
+spec classes, a ``Composite.data_cls`` that is neither ``TensorDict`` nor a
+tensorclass (or has a name no peer would accept), a non-CPU device, dims below -1 (-1 is
 torchrl's "varies from step to step", and crosses).
 """
 
@@ -82,6 +83,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torchrl.data.tensor_specs import (
     Binary,
     Bounded,
@@ -413,13 +415,20 @@ def _composite_to_data(spec: Composite, at: _At) -> dict[str, Any]:
     return data
 
 
+#: ``data_cls=TensorDict`` (what torchrl's ``PendulumEnv`` declares for its ``params``):
+#: the class ``zero()`` makes anyway, but specs compare ``data_cls``, so it crosses as itself.
+_TENSORDICT_NAME = "tensordict:TensorDict"
+
+
 def _data_cls_to_data(at: _At, data_cls: Any) -> str:
+    if data_cls is TensorDict:
+        return _TENSORDICT_NAME
     try:
         return tensorclass_name(data_cls)
     except ProtocolError as err:
         raise at.error(
             f"Composite.data_cls={getattr(data_cls, '__name__', data_cls)} cannot cross the "
-            f"wire (only None and tensorclasses do): {err}"
+            f"wire (only None, TensorDict and tensorclasses do): {err}"
         ) from None
 
 
@@ -427,6 +436,8 @@ def _data_cls_from_data(at: _At, data: Mapping[str, Any], keys: Any) -> type | N
     """The tensorclass the spec names (looked up, never imported); None if absent or not loaded."""
     if "data_cls" not in data:
         return None
+    if data["data_cls"] == _TENSORDICT_NAME:
+        return TensorDict  # takes any entries
     try:
         cls = resolve_tensorclass(data["data_cls"])
     except ProtocolError as err:
