@@ -86,8 +86,9 @@ def test_failure_kinds_are_their_wire_strings():
     assert FailureKind.REGISTER == "register" and FailureKind("env") is FailureKind.ENV
     body = Failed("x", "", FailureKind.ENV).to_body()
     assert body == {"err": "x", "tb": "", "kind": "env"} and type(body["kind"]) is str
-    with pytest.raises(ProtocolError, match="kind"):  # the pool's own finding, never sent
-        Failed.from_body({"err": "x", "tb": "", "kind": "version"})
+    for own in ("version", "refused"):  # the pool's own findings, never sent
+        with pytest.raises(ProtocolError, match="kind"):
+            Failed.from_body({"err": "x", "tb": "", "kind": own})
 
 
 def _with(message: Any, path: tuple[str, ...], value: Any, delete: bool = False) -> Any:

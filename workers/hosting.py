@@ -1,8 +1,9 @@
 """The envs a worker hosts, and what each command does to them. No sockets here.
 
 A worker hosts one or more envs, each known by its pool index. A command is
-answered by one small handler from :data:`HANDLERS`; each takes the env and
-the decoded input tensordict and returns the tensordict parts of the reply.
+answered by one small handler from :data:`HANDLERS`; each takes the env,
+the decoded input tensordict (or None) and the command header's body (a
+reset's keywords, a seed), and returns the tensordict parts of the reply.
 """
 
 from __future__ import annotations

@@ -27,10 +27,13 @@ socket's frame decoder before the peer is authenticated, so without a limit
 any peer that can reach the socket, holding no keys, can make it allocate a
 frame of gigabytes; and the results and heartbeat endpoints are the pool's
 word, in its WELCOME, which names them in the transport the worker reached
-the pool by or is refused: :func:`pool_endpoint`). The DEALER's limit is the
-one the pool holds this worker's replies to, derived from the same specs
-(:func:`command_frame_limit`), and its decoder refuses layouts above it; the
-beats DEALER and the PUSH get :data:`~zmqpool.limits.MAX_BEAT_BYTES`. A malformed
+the pool by or is refused: :func:`pool_endpoint`). Over TCP the DEALER's limit is
+the one the pool holds this worker's replies to, derived from the same specs
+(:func:`command_frame_limit`; over ipc the trainer is its only peer and the
+limit is :data:`~zmqpool.limits.MAX_FRAME_BYTES`), and its decoder refuses
+layouts above it; the DEALER that asks the beacon and the PUSH get
+:data:`~zmqpool.limits.MAX_BEAT_BYTES`, the heartbeat DEALER
+:data:`~zmqpool.limits.MAX_HEADER_BYTES`. A malformed
 heartbeat is counted, logged (throttled) and ignored. A frame over a limit
 makes libzmq drop the connection, and after such a protocol error it never
 connects again by itself: each TCP socket's :class:`_DropWatch` does, so
@@ -239,7 +242,7 @@ class Worker:
         #: What each env's replies are cast to (by its index, as ``host.envs``).
         self.spec_dtypes = {i: SpecDtypes(env.specs) for i, env in host.envs.items()}
         self.decoder = Decoder(max_frame_bytes=self.frame_limit)
-        #: Messages on the SUB that were not a PING (counted, logged throttled, ignored).
+        #: Messages from the beacon that were not a PING (counted, logged throttled, ignored).
         self.malformed_beats = 0
         self.dropped = 0
         self.runners = EnvRunners(self._env_thread_died) if env_threads else None
@@ -1304,7 +1307,7 @@ def command_frame_limit(host: EnvHost, router: str) -> int:
     observations of a step's root): no frame of it exceeds all of those leaves
     packed. So the bound is :func:`~zmqpool.layout.max_message_bytes` of each
     env's ``specs.zero()``, headroom included: the very bound the pool's decoder
-    holds this worker's replies to (``Broker._welcome``), from the same specs.
+    holds this worker's replies to (``Registrar._welcome``), from the same specs.
     A frame over it is refused by libzmq (the connection drops) or, inside it,
     by the decoder (an ERROR reply: malformed command). Over ipc the trainer
     is the only peer: no limit there (:data:`~zmqpool.limits.MAX_FRAME_BYTES`).

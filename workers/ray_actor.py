@@ -1,11 +1,12 @@
 """A worker as a Ray actor: Ray places, restarts and ends the process; ZeroMQ carries the data.
 
 :class:`EnvActor` is a plain class; :class:`zmqpool.ray_workers.RayWorkers`
-makes it a Ray actor (``ray.remote(**options)(EnvActor)``) and starts one per
-host. Its constructor builds the envs (by import path: no code crosses the
-wire) and runs an ordinary :class:`~workers.loop.Worker` in a thread: it
-registers with the pool over TCP+CURVE with the key pair the trainer made for
-it, asking for the slots reserved for that key, then answers commands.
+makes it a Ray actor (``ray.remote(**options)(EnvActor)``) and starts
+``count`` of them, placed by Ray (``placement_strategy``). Its constructor
+builds the envs (by import path: no code crosses the wire) and runs an
+ordinary :class:`~workers.loop.Worker` in a thread: it registers with the
+pool over TCP+CURVE with the key pair the trainer made for it, asking for
+the slots reserved for that key, then answers commands.
 
 When Ray restarts a dead actor, it runs the constructor again with the same
 arguments: the new process registers under the same identity and key with a

@@ -8,7 +8,10 @@ dtype (float64 where the spec says float32) is silently promoted, every env's
 result with it. Each env gets a :class:`ReplyCheck` when it registers: a reply
 whose layout contradicts the env's observation, reward or done specs becomes
 an :class:`~zmqpool.errors.EnvError` for that env, naming the leaf; the other
-envs' replies are untouched.
+envs' replies are untouched. A zmqpool worker casts its env's declared
+leaves to the specs' dtypes before it replies (:class:`SpecDtypes`, as
+``SerialEnv``'s buffers do), so a dtype is refused here only in a reply that
+was not cast (another peer's).
 
 What is held, per part of a reply (its role, by the command it answers):
 

@@ -12,6 +12,8 @@ argument::
     ZMQPoolError
     ├── ProtocolError (ValueError)       a frame or header that breaks the wire contract
     │   └── VersionMismatchError         a peer speaking another protocol version
+    ├── BackendError (ValueError, NotImplementedError)
+    │                                    a backend= torchrl's pool does not run either
     ├── InputError (ValueError)          a send's input that can never work, refused at the send
     │                                    (and, with strict_inputs, one off its spec)
     │   ├── MissingKeyError (KeyError)   an entry the envs need is missing (the action)

@@ -1,4 +1,4 @@
-"""What the pool's intake reports for the supervisor (or, during set-up, the runtime) to decide.
+"""What the registrar and the pidfd watch report, for the supervisor (or the set-up) to decide.
 
 Typed, frozen events: a death, a failed start, an admitted worker.
 """

@@ -143,7 +143,8 @@ MAX_REMOTE_CONTROL_BYTES = 256 << 10
 #: held to its sender's limit first.
 MIN_REMOTE_PIECE_BYTES = MAX_REMOTE_CONTROL_BYTES
 #: A frame of the remote results cap fits in this many pieces (so the piece, and
-#: what a keyless connection holds, is at most 1/128 of the cap).
+#: what a keyless connection holds, is 1/128 of the cap, but at least
+#: :data:`MIN_REMOTE_PIECE_BYTES`).
 REMOTE_PIECES_PER_FRAME = 128
 #: The most pieces one message may come in: what the pool reads of a message
 #: (:data:`MAX_MESSAGE_FRAMES`) after the BATCH header. A worker answers a

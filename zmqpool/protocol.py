@@ -35,20 +35,25 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
         epoch         bytes [1, 64]        this pool's identity; a new one: a new trainer
         heartbeat_interval_s  float (0, 3600]  how often the pool PINGs
         heartbeat_liveness    int [1, 10**6]   PINGs missed before the pool is lost
+        max_frame     int [1, 2**62)       the largest frame the pool takes from it
+        piece         int, 0 or [4096, 2**62)  its results port's frame limit, where
+                                           replies with larger frames go in pieces (0: none)
 
     REFUSE     pool -> worker, ROUTER      {"err": str <= 4000 chars}  Refuse
 
-    FAILED     worker -> pool, ROUTER      {"err", "tb", "kind"}       Failed
+    FAILED     worker -> pool, ROUTER      {"err", "tb", "kind"[, "base"]}  Failed
     ERROR      worker -> pool, PULL        the same fields                Failed
         err           str <= 4000 chars    what went wrong, one line
         tb            str <= 60000 chars   the worker's traceback (may be empty)
         kind          str                  a :class:`FailureKind` value: FAILED says
                                            "maker" or "register", ERROR "env" or "protocol"
+        base          str, optional        the builtin the env (or maker) raised, one of
+                                           :data:`~zmqpool.errors.ENV_ERROR_BASES`
 
     PING       pool -> worker, beats       {"epoch": bytes [1, 64]}    Ping
                ROUTER, answering a HEARTBEAT the worker sent it
 
-HEARTBEAT and CLOSE carry no body. Text limits are in characters; at 4
+HEARTBEAT, CLOSE and REJOIN carry no body. Text limits are in characters; at 4
 UTF-8 bytes a character at worst, a clipped FAILED stays under a quarter of
 :data:`~zmqpool.limits.MAX_CONTROL_BYTES`.
 
@@ -112,8 +117,12 @@ class FailureKind(enum.StrEnum):
     REFUSED = "refused"  # never on the wire: the pool refused a worker it started (why: err)
 
 
-#: The kinds a peer may send (VERSION is the pool's own finding).
-_WIRE_KINDS = {kind.value: kind for kind in FailureKind if kind is not FailureKind.VERSION}
+#: The kinds a peer may send (VERSION and REFUSED are the pool's own findings).
+_WIRE_KINDS = {
+    kind.value: kind
+    for kind in FailureKind
+    if kind not in (FailureKind.VERSION, FailureKind.REFUSED)
+}
 
 
 # ---------------------------------------------------------------- field checks

@@ -7,8 +7,10 @@ Key directory made by ``zmqpool keygen DIR``::
     DIR/authorized/worker-N.key                 the allow-list: public keys the pool accepts
 
 A worker needs ``server.key`` (to know the pool) and its own ``.key_secret``.
-Revoking a worker is deleting its file from ``authorized/`` (read when the
-pool starts). Local ipc endpoints use no CURVE: they live in a 0700 directory.
+Deleting a key's file from ``authorized/`` (read when a pool starts) keeps
+pools started later from accepting it; a running pool revokes a key with
+``ZMQAsyncEnvPool.revoke_worker_key()``. Local ipc endpoints use no CURVE:
+they live in a 0700 directory.
 
 Secrets stay secret: a secret key file that its group or others may read is
 refused when loaded (:class:`InsecureKeyFileError`, saying ``chmod 600``), and
