@@ -336,6 +336,8 @@ class Hello:
         }
         if self.version >= 3:  # before it, a REGISTER had no such key
             reg["batches"] = batches
+        if self.version >= 12:  # likewise
+            reg["set_state"] = [False] * len(specs)
         return {"reg": reg}
 
     def decode(self, frame: bytes) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from tensordict import (
 )
 from tensordict.nn import TensorDictModule
 from torch import nn
-from torchrl.envs import AsyncEnvPool, EnvBase, SerialEnv
+from torchrl.envs import AsyncEnvPool, EnvBase, SerialEnv, StepCounter, TransformedEnv
 from torchrl.modules import WorldModelWrapper
 
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
@@ -686,3 +686,48 @@ def test_zmq_pool_matches_serial_env(name):
         check_pool(name, pool)
     finally:
         pool.close()
+
+
+# ---------------------------------------------------------------- deterministic resets
+
+
+def _set_state_calls(env: EnvBase) -> dict[str, Any]:
+    """A reset to a given state, through TransformedEnv's rollout and a masked reset."""
+    td = env.reset()
+    td["th"], td["thdot"] = torch.tensor([0.5, 0.25]), torch.tensor([-1.0, -2.0])
+    out: dict[str, Any] = {"supports": env._supports_set_state}
+    transformed = TransformedEnv(env, StepCounter())
+    action = env.full_action_spec.zero().apply(lambda leaf: leaf + 1)
+    policy = fixed_action_policy(action)
+    out["rollout"] = transformed.rollout(2, policy, tensordict=td.clone(), set_state=True)
+    masked = td.clone().set("_reset", torch.tensor([[False], [True]]))
+    out["masked reset"] = env.reset(masked, set_state=True)
+    return out
+
+
+@pytest.mark.parametrize("name", ["custom.PendulumEnv", "CountingEnv"])
+def test_resets_to_a_given_state_as_serial_env_does(name):
+    """torchrl's PendulumEnv honours a reset's state (``_supports_set_state``); the pool
+    said False whatever its envs, so TransformedEnv(pool).rollout(set_state=True) and a
+    masked reset(set_state=True) raised NotImplementedError (seeding audit)."""
+    case = CASES[name]
+    serial = SerialEnv(NUM_ENVS, case.make)
+    pool = ZMQAsyncEnvPool([case.make] * NUM_ENVS, stack="dense", config=CONFIG)
+    try:
+        results = []
+        for env in (serial, pool):
+            try:
+                results.append(_set_state_calls(env))
+            except NotImplementedError as err:  # an env without deterministic resets
+                results.append({"error": type(err)})
+    finally:
+        serial.close()
+        pool.close()
+    expected, got = results
+    assert got.keys() == expected.keys()
+    if name == "CountingEnv":
+        assert expected == got == {"error": NotImplementedError}
+        return
+    assert expected["supports"] is got["supports"] is True
+    for call in ("rollout", "masked reset"):
+        assert not differences(expected[call], got[call], values=True), call

@@ -39,6 +39,7 @@ REGISTER = Register(
     slots=(3, 5),
     specs=({"class": "Composite", "entries": {}}, {"class": "Composite", "entries": {}}),
     batches=True,
+    set_state=(True, False),
 )
 WELCOME = Welcome(
     token=b"t" * 16,
@@ -185,6 +186,17 @@ MALFORMED = {
     "register no specs": (Register, _with(REGISTER, ("reg", "specs"), []), "specs"),
     "register specs != envs": (Register, _with(REGISTER, ("reg", "specs"), [{}]), "specs for"),
     "register batches not a bool": (Register, _with(REGISTER, ("reg", "batches"), 1), "batches"),
+    "register set_state != envs": (
+        Register,
+        _with(REGISTER, ("reg", "set_state"), [True]),
+        "set_state for 1 of 2",
+    ),
+    "register set_state an int": (
+        Register,
+        _with(REGISTER, ("reg", "set_state"), [True, 1]),
+        "set_state",
+    ),
+    "register set_state a map": (Register, _with(REGISTER, ("reg", "set_state"), {}), "set_state"),
     "register empty incarnation": (
         Register,
         _with(REGISTER, ("reg", "incarnation"), b""),

@@ -361,6 +361,9 @@ class Worker:
             # one header and one decode for them all (measured in docs/PERFORMANCE.md,
             # session 22: +18% steps/s; BATCH alone had cost 5% for nothing).
             batches=len(self.host.envs) > 1,
+            set_state=tuple(
+                bool(self.host.envs[i]._supports_set_state) for i in sorted(self.host.envs)
+            ),
         )
 
     def _refuse_oversized(self, size: int, reg: Register) -> None:

@@ -503,7 +503,7 @@ class Registrar:
             record.key,
             reg.batches,
         )
-        rejoin = self.roster.go_live(record, link, specs)
+        rejoin = self.roster.go_live(record, link, specs, reg.set_state)
         self.liveness.heard(record.identity, time.monotonic())
         self._send_welcome(link)
         self.events.append(WorkerRegistered(record.identity, list(record.envs), reg, rejoin))

@@ -357,6 +357,16 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return self._runtime
 
     @property
+    def _supports_set_state(self) -> bool:  # type: ignore[override]
+        """``SerialEnv``'s: every env honours a reset's state (``reset(td, set_state=True)``).
+
+        Read by ``EnvBase.reset`` and ``TransformedEnv`` to resolve ``set_state``;
+        each worker's REGISTER says it of its envs (torchrl's pool says False).
+        """
+        runtime = getattr(self, "_runtime", None)
+        return runtime is not None and runtime.roster.all_set_state()
+
+    @property
     def remote_endpoint(self) -> str | None:
         """Where remote workers connect (``--connect``), once bound."""
         return self._runtime.remote_endpoint

@@ -25,6 +25,8 @@ The bodies, by command (types as msgpack sees them; ``[a, b]``: inclusive)::
                                            by the pool with :func:`~zmqpool.specs.spec_from_data`
         batches       bool                 it hosts several envs: send it a call's commands
                                            as one message (wire: batches, rows joined)
+        set_state     list of bool, one per env: its ``_supports_set_state`` (it honours
+                                           a reset's state, ``reset(td, set_state=True)``)
 
     WELCOME    pool -> worker, ROUTER      {"reg": {...}}              Welcome
         token         bytes [1, 64]        the session token its results must carry
@@ -237,8 +239,24 @@ class Register:
     slots: tuple[int, ...] | None
     specs: tuple[dict[str, Any], ...]
     batches: bool = False
+    #: per env, whether it honours a reset's state (None: none does; made a tuple)
+    set_state: tuple[bool, ...] | None = None
 
-    _KEYS = ("pid", "host", "envs", "remote", "incarnation", "slots", "specs", "batches")
+    _KEYS = (
+        "pid",
+        "host",
+        "envs",
+        "remote",
+        "incarnation",
+        "slots",
+        "specs",
+        "batches",
+        "set_state",
+    )
+
+    def __post_init__(self) -> None:
+        if self.set_state is None:  # frozen: set as dataclasses' own __init__ does
+            object.__setattr__(self, "set_state", (False,) * len(self.envs))
 
     def to_body(self) -> dict[str, Any]:
         reg = {
@@ -250,6 +268,7 @@ class Register:
             "slots": None if self.slots is None else list(self.slots),
             "specs": list(self.specs),
             "batches": self.batches,
+            "set_state": list(self.set_state or ()),
         }
         return {"reg": reg}
 
@@ -263,6 +282,9 @@ class Register:
         for i, spec in enumerate(specs):
             if not isinstance(spec, dict):
                 raise ProtocolError(f"REGISTER specs[{i}] must be a map")
+        set_state = _list(reg["set_state"], "REGISTER set_state", MAX_WORKER_ENVS, low=1)
+        if len(set_state) != len(envs):
+            raise ProtocolError(f"REGISTER says set_state for {len(set_state)} of {len(envs)} envs")
         slots = reg["slots"]
         return cls(
             pid=_int(reg["pid"], "REGISTER pid", 0, MAX_INDEX),
@@ -273,6 +295,7 @@ class Register:
             slots=None if slots is None else _indices(slots, "REGISTER slots"),
             specs=tuple(specs),
             batches=_bool(reg["batches"], "REGISTER batches"),
+            set_state=tuple(_bool(each, "REGISTER set_state") for each in set_state),
         )
 
 

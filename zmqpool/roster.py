@@ -111,6 +111,7 @@ class EnvRecord:
     spec: Any = None  # the same, decoded (once, at registration)
     layout: Any = None  # the layout of its spec's zero (what bounds its worker's frames)
     check: Any = None  # its replies' layouts held to its spec (a conformity.ReplyCheck)
+    set_state: bool = False  # it honours a reset's state (its worker's REGISTER says)
     restarts: int = 0
     last_restart_cause: str | None = None
     lost: Exception | None = None  # LOST: what every request raises
@@ -183,6 +184,10 @@ class Roster:
     def registered(self) -> int:
         """How many envs have registered specs."""
         return sum(env.spec_data is not None for env in self.envs)
+
+    def all_set_state(self) -> bool:
+        """Whether every env honours a reset's state, as its worker last registered it."""
+        return all(env.set_state for env in self.envs)
 
     # ------------------------------------------------------------ local processes
 
@@ -269,10 +274,14 @@ class Roster:
     # ------------------------------------------------------------ registration
 
     def go_live(
-        self, record: WorkerRecord, link: Link, specs: Sequence[tuple[Any, Any, Any]]
+        self,
+        record: WorkerRecord,
+        link: Link,
+        specs: Sequence[tuple[Any, Any, Any]],
+        set_state: Sequence[bool] | None = None,
     ) -> bool:
         """``record`` registered with ``link`` for its envs, whose (data, decoded, layout) specs
-        are given.
+        are given, and whether each honours a reset's state (None: none does).
 
         Returns whether it is a rejoin: its envs were hosted before and are
         now rebuilt (their requests in flight are sent again, steps as resets).
@@ -280,8 +289,10 @@ class Roster:
         record.phase, record.link = WorkerPhase.LIVE, link
         self.batching |= link.batches
         rejoin = False
-        for index, (data, spec, layout) in zip(record.envs, specs, strict=True):
+        honours = [False] * len(record.envs) if set_state is None else set_state
+        for index, (data, spec, layout), state in zip(record.envs, specs, honours, strict=True):
             env = self.envs[index]
+            env.set_state = state
             rejoin |= env.phase is not EnvPhase.NEW
             env.phase = EnvPhase.FRESH if env.phase is not EnvPhase.NEW else EnvPhase.LIVE
             env.holder, env.link, env.lost, env.vacant_since = record, link, None, None

@@ -257,7 +257,9 @@ if TYPE_CHECKING:
 #: version-9 pool drops; the port's limit is a piece's, not the largest reply's.
 #: 11: a RESET or RESET_RAW may carry the caller's reset keywords (body ``"kw"``),
 #: which a version-10 worker would leave out of the env's reset.
-PROTOCOL_VERSION = 11
+#: 12: REGISTER says which envs honour a reset's state (``set_state``, each env's
+#: ``_supports_set_state``), which a version-11 pool refuses.
+PROTOCOL_VERSION = 12
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
