@@ -19,7 +19,7 @@ from tensordict import TensorDict
 import zmqpool.broker
 from tests.conftest import pids_alive
 from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
-from zmqpool.roster import WorkerPhase
+from zmqpool.roster import WorkerPhase, restart_seed
 from zmqpool.testing import CountingEnv, FaultyEnv
 
 QUICK = PoolConfig(
@@ -591,3 +591,40 @@ def test_a_restart_that_cannot_open_a_file_is_tried_again():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("tried again")
+
+
+def _seed_in(out, env: int) -> float:
+    """The seed CountingEnv's observation holds, in env ``env``'s row of a step's result."""
+    return out["next", "observation"][ids(out).index(env), 3].item()
+
+
+def _as_observed(seed: int) -> float:
+    return torch.tensor(float(seed)).to(torch.float32).item()  # the observation's dtype
+
+
+def _kill_and_step(pool) -> TensorDict:
+    os.kill(pool.worker_pid(0), signal.SIGKILL)
+    pool.async_step_send(actions([0.1, 0.2]), env_index=[0, 1])
+    return pool.async_step_recv(min_get=2, timeout=60)
+
+
+def test_a_rebuilt_env_is_seeded_from_the_seed_set_seed_gave_it():
+    """A rebuilt env was unseeded (seeding audit): a seeded run did not reproduce past its
+    first restart, and set_seed again restarted every healthy env's stream. Its first
+    reset now seeds it first, with restart_seed(its seed, its restarts); a set_seed
+    made before that reset wins."""
+    pool = ZMQAsyncEnvPool([CountingEnv] * 2, config=QUICK)
+    try:
+        pool.set_seed(100)
+        healthy_seed = pool.reset()["observation"][1, 3].item()  # env 1's, from the chain
+        out = _kill_and_step(pool)
+        assert pool.last_restarted_envs == [0]
+        assert _seed_in(out, 0) == _as_observed(restart_seed(100, 1))
+        assert _seed_in(out, 1) == healthy_seed  # not seeded again
+        os.kill(pool.worker_pid(0), signal.SIGKILL)
+        pool.set_seed(300)  # before the rebuilt env's first reset: it is seeded with this
+        out = pool.step(actions([0.1, 0.2]))
+        assert pool.env_stats()[0]["restarts"] == 2
+        assert _seed_in(out, 0) == 300.0
+    finally:
+        pool.close()

@@ -25,7 +25,7 @@ from torchrl.envs import EnvBase
 
 from zmqpool.codec import leaf_state
 from zmqpool.errors import EnvMakerError, ProtocolError
-from zmqpool.wire import NEXT_SEED, Command
+from zmqpool.wire import NEXT_SEED, RESEED, Command
 
 Parts = list[TensorDictBase]
 Handler = Callable[[EnvBase, TensorDictBase | None, Mapping[str, Any]], Parts]
@@ -198,11 +198,24 @@ def _step_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) 
 
 
 def _reset(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    _reseed(env, body)
     return [env.reset(_none_if_empty(td), **_reset_kwargs(body))]
 
 
 def _reset_raw(env: EnvBase, td: TensorDictBase | None, body: Mapping[str, Any]) -> Parts:
+    _reseed(env, body)
     return [env._reset(_none_if_empty(td), **_reset_kwargs(body))]
+
+
+def _reseed(env: EnvBase, body: Mapping[str, Any]) -> None:
+    """A rebuilt env's seed, set before its first reset (the pool derives it from the seed
+    ``set_seed`` gave the env before: :func:`zmqpool.roster.restart_seed`)."""
+    seed = body.get(RESEED)
+    if seed is None:
+        return
+    if type(seed) is not int:
+        raise ProtocolError(f"reseed must be an integer, got {type(seed).__name__}")
+    env.set_seed(seed)
 
 
 def _reset_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ A worker's life (:class:`WorkerPhase`)::
 An env's life (:class:`EnvPhase`): ``NEW`` until its first worker registers,
 then ``LIVE``. When its worker goes, ``WAITING``: its requests wait in the
 ledger. When a worker registers for it again, its env was rebuilt: ``FRESH``
-(its next step is sent as a reset, answered as a truncation), then ``LIVE``
+(its next step is sent as a reset, answered as a truncation; an env that
+``set_seed`` seeded is seeded first, with :func:`restart_seed`), then ``LIVE``
 again. ``LOST`` when the pool gives up on it (a crash loop, no rejoin): its
 requests fail until a worker takes the slot again.
 
@@ -41,6 +42,8 @@ import enum
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from zmqpool.codec import Decoder, Encoder
 from zmqpool.conformity import ReplyCheck
@@ -112,6 +115,8 @@ class EnvRecord:
     layout: Any = None  # the layout of its spec's zero (what bounds its worker's frames)
     check: Any = None  # its replies' layouts held to its spec (a conformity.ReplyCheck)
     set_state: bool = False  # it honours a reset's state (its worker's REGISTER says)
+    seed: int | None = None  # what set_seed gave it (its SEED answered), across rebuilds
+    reseed: int | None = None  # rebuilt since: the seed its first reset sets first
     restarts: int = 0
     last_restart_cause: str | None = None
     lost: Exception | None = None  # LOST: what every request raises
@@ -294,6 +299,8 @@ class Roster:
             env = self.envs[index]
             env.set_state = state
             rejoin |= env.phase is not EnvPhase.NEW
+            if env.phase is not EnvPhase.NEW:  # rebuilt: unseeded, as every new env is
+                env.reseed = None if env.seed is None else restart_seed(env.seed, env.restarts)
             env.phase = EnvPhase.FRESH if env.phase is not EnvPhase.NEW else EnvPhase.LIVE
             env.holder, env.link, env.lost, env.vacant_since = record, link, None, None
             self.lost.discard(index)
@@ -515,5 +522,27 @@ class Roster:
         env = self.envs[index]
         if env.phase is not EnvPhase.FRESH:
             return False
-        env.phase = EnvPhase.LIVE
+        env.phase, env.reseed = EnvPhase.LIVE, None
         return not resets
+
+    def seeded(self, index: int, seed: int | None) -> None:
+        """``set_seed`` gave env ``index`` ``seed``: a rebuilt env is seeded from it, not
+        from an older one."""
+        env = self.envs[index]
+        env.seed, env.reseed = seed, None
+
+
+def restart_seed(seed: int, restarts: int) -> int:
+    """The seed of an env rebuilt for its ``restarts``-th time, from the one ``set_seed`` gave it.
+
+    Not ``seed`` itself: the env would replay its first episodes (data twice
+    in a replay buffer) and, if it crashed on its own, run the same path into
+    the crash again. Derived, so that a run with the same seeds and the same
+    crashes is the same run; 32 bits, which every env's seeding takes.
+
+    Example:
+        >>> restart_seed(7, 1) == restart_seed(7, 1) != restart_seed(7, 2)
+        True
+    """
+    sequence = np.random.SeedSequence([seed % 2**64, restarts])
+    return int(sequence.generate_state(1, np.uint32)[0])

@@ -77,6 +77,7 @@ from zmqpool.state import STEPS, Channel, Kind, Ledger, Pending, Reply
 from zmqpool.supervisor import Supervisor
 from zmqpool.wire import (
     NEXT_SEED,
+    RESEED,
     Command,
     Header,
     Row,
@@ -500,6 +501,8 @@ class Runtime:
         fresh = command is not Command.SEED and record.phase is EnvPhase.FRESH
         if (fresh or pending.synth) and not resets:  # what begin() will say, or a step cut short
             command, payload, pending.synth = Command.RESET, None, True
+        if fresh and record.reseed is not None:  # rebuilt: seeded before its first reset
+            pending.body = {**(pending.body or {}), RESEED: record.reseed}
         outbox = self._outbox if link.batches else None  # within send_all(): with its others
         if outbox is not None and type(payload) is DecodedPart and pending.body is None:
             self._keep_row(env, pending, link, outbox, fresh)  # sent as it came: no synth
@@ -815,6 +818,7 @@ class Runtime:
             [reply] = self.collect(
                 (Kind.RESET, env), 1, 1, self.config.register_timeout_s, raise_error
             )
+            self.roster.seeded(env, seed)
             seed = _next_seed(reply)
         return seed
 

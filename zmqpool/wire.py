@@ -258,12 +258,17 @@ if TYPE_CHECKING:
 #: 11: a RESET or RESET_RAW may carry the caller's reset keywords (body ``"kw"``),
 #: which a version-10 worker would leave out of the env's reset.
 #: 12: REGISTER says which envs honour a reset's state (``set_state``, each env's
-#: ``_supports_set_state``), which a version-11 pool refuses.
+#: ``_supports_set_state``), which a version-11 pool refuses; a rebuilt env's
+#: first RESET or RESET_RAW may carry the seed to set first (body ``"reseed"``),
+#: which a version-11 worker would leave unset.
 PROTOCOL_VERSION = 12
 
 
 #: The key of a SEED reply's one value: the seed the env's ``set_seed`` returned.
 NEXT_SEED = "next_seed"
+#: The body key of a rebuilt env's first reset: the seed it is given first
+#: (:func:`zmqpool.roster.restart_seed`).
+RESEED = "reseed"
 
 
 class Command(enum.IntEnum):
