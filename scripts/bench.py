@@ -160,6 +160,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from zmqpool import benchenvs  # noqa: E402
+from zmqpool.argtypes import positive_int, positive_seconds  # noqa: E402
 from zmqpool.assembly import env_index_stack  # noqa: E402
 from zmqpool.benchenvs import STOP, CountingGymEnv  # noqa: E402
 from zmqpool.benchfloor import REPLY_KEYS, env_kwargs_to_json  # noqa: E402
@@ -2328,23 +2329,19 @@ def names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # `zmqpool bench` runs this script: its usage line then names that command.
     prog = os.environ.get("ZMQPOOL_BENCH_PROG")
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--scenarios",
         type=names((*build_scenarios(False), SCALE_ALIAS)),
         default=None,
-        help="comma-separated scenarios (default: all but the scale ones); "
+        help="comma-separated scenarios (unset: all but the scale ones); "
         "'scale' stands for scale16,scale128,scale512,scale1024 (with --quick: scale16)",
     )
     p.add_argument(
@@ -2354,20 +2351,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "16 envs per worker): every row of the issue in one run",
     )
     p.add_argument(
-        "--rows", type=names(ALL_ROWS), default=None, help="comma-separated rows (default: all)"
+        "--rows", type=names(ALL_ROWS), default=None, help="comma-separated rows (unset: all)"
     )
     p.add_argument(
         "--seconds",
-        type=float,
+        type=positive_seconds,
         default=None,
-        help="measured wall time per row (default 3, 0.3 with --quick)",
+        help="measured wall time per row, seconds > 0 (unset: 3, 0.3 with --quick)",
     )
     p.add_argument(
-        "--num-envs", type=int, default=None, help="envs per pool (default 4, 2 with --quick)"
+        "--num-envs",
+        type=positive_int,
+        default=None,
+        help="envs per pool (unset: 4, 2 with --quick)",
     )
     p.add_argument(
         "--envs-per-worker",
-        type=int,
+        type=positive_int,
         default=1,
         help="envs hosted by each worker process of zmqpool's and torchrl's async pools",
     )
@@ -2378,9 +2378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--row-timeout",
-        type=float,
+        type=positive_seconds,
         default=300.0,
-        help="abort a row (build + run + close) after this many seconds",
+        help="abort a row (build + run + close) after this many seconds (> 0)",
     )
     p.add_argument(
         "--probe-threshold",
@@ -2393,19 +2393,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         metavar="N",
         help="run the whole plan N times, interleaved (round 1 runs every row once, then "
-        "round 2...); report each row's medians and its range of steps/s (default 1)",
+        "round 2...); report each row's medians and its range of steps/s",
     )
-    p.add_argument("--json", type=Path, default=None, help="write all results here")
+    p.add_argument("--json", type=Path, default=None, help="write all results here (JSON)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
     return p.parse_args(argv)
 
 
 def make_config(args: argparse.Namespace) -> Config:
-    seconds = args.seconds or (0.3 if args.quick else 3.0)
+    # `is None`, not `or`: a value given is a value kept (the parser refuses 0).
+    seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 3.0)
+    num_envs = args.num_envs if args.num_envs is not None else (2 if args.quick else 4)
     return Config(
         seconds=seconds,
         warmup_s=min(1.0, max(0.1, seconds / 3)),
-        num_envs=args.num_envs or (2 if args.quick else 4),
+        num_envs=num_envs,
         row_timeout_s=args.row_timeout,
         envs_per_worker=args.envs_per_worker,
     )

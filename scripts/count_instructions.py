@@ -280,12 +280,18 @@ def _what(c: Count) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-envs", type=int, default=64)
-    parser.add_argument("--envs-per-worker", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=20, help="measured rounds (default 20)")
-    parser.add_argument("--baseline", type=Path, help="another checkout, counted first")
-    parser.add_argument("--json", type=Path, help="write the counts here")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--num-envs", type=int, default=64, help="envs in the pool")
+    parser.add_argument(
+        "--envs-per-worker", type=int, default=16, help="envs hosted by each worker process"
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="measured rounds")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout, counted first (unset: none)"
+    )
+    parser.add_argument("--json", type=Path, help="write the counts here (JSON)")
     parser.add_argument("--dry-run", action="store_true", help="the workload alone, no valgrind")
     parser.add_argument(
         "--worker",

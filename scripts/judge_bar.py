@@ -72,12 +72,18 @@ def size(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--sizes", nargs="+", type=size, default=[(64, 1), (192, 3), (256, 4), (256, 7)]
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=size,
+        default=[(64, 1), (192, 3), (256, 4), (256, 7)],
+        help="the envs' work, each SIDExPRODUCTS: the matrix's side, the products a step takes",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="times the three ways alternate")
+    parser.add_argument("--rounds", type=int, default=150, help="steps of every env per run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as the workers run torch (PoolConfig.worker_torch_threads)
     for side, products in args.sizes:

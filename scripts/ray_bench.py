@@ -66,9 +66,13 @@ def kill_to_truncation(pool: ZMQAsyncEnvPool, workers: RayWorkers) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--envs", type=int, default=2, help="envs in each pool")
-    parser.add_argument("--seconds", type=float, default=3.0, help="stepping time per pool")
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, help="stepping time per pool, seconds"
+    )
     parser.add_argument("--num-cpus", type=int, default=2, help="the local Ray cluster's CPUs")
     args = parser.parse_args()
     figures: dict[str, float] = {}

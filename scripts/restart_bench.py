@@ -103,12 +103,20 @@ def measure(args: argparse.Namespace, fork_server: bool) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--num-envs", type=int, default=4)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--kills", type=int, default=10, help="workers killed (SIGKILL) per row, one at a time"
+    )
+    parser.add_argument("--num-envs", type=int, default=4, help="envs in each pool")
     parser.add_argument("--window", type=float, default=1.0, help="seconds per measured loop")
-    parser.add_argument("--no-fresh-interpreter", action="store_true", help="skip that row")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--no-fresh-interpreter",
+        action="store_true",
+        help="skip the row whose workers start fresh interpreters (fork_server=False)",
+    )
+    parser.add_argument("--json", help="write the results here (JSON)")
     args = parser.parse_args()
     rows = {"fork server": measure(args, fork_server=True)}
     if not args.no_fresh_interpreter:

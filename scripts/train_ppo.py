@@ -71,12 +71,33 @@ QUICK = {"frames": 2_000, "frames_per_batch": 500, "epochs": 2, "minibatch_size"
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config` (``--quick`` shrinks the sizes)."""
     default = Config()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--frames", type=int, default=None, help="total frames to collect")
-    parser.add_argument("--num-envs", type=int, default=default.num_envs)
-    parser.add_argument("--frames-per-batch", type=int, default=None)
-    parser.add_argument("--backend", choices=BACKENDS, default=default.backend)
-    parser.add_argument("--seed", type=int, default=default.seed)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help=f"total env frames to collect (unset: {default.frames:,}, "
+        f"{QUICK['frames']:,} with --quick)",
+    )
+    parser.add_argument(
+        "--num-envs", type=int, default=default.num_envs, help="envs in the pool, >= 1"
+    )
+    parser.add_argument(
+        "--frames-per-batch",
+        type=int,
+        default=None,
+        help=f"env frames per collected batch (unset: {default.frames_per_batch:,}, "
+        f"{QUICK['frames_per_batch']:,} with --quick)",
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=default.backend, help="the env pool to collect from"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=default.seed, help="torch's and the pool's seed"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = parser.parse_args(argv)
     sizes = dict(QUICK) if args.quick else {}

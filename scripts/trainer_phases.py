@@ -199,12 +199,23 @@ def workload(args: argparse.Namespace) -> Workload:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="batch32")
-    parser.add_argument("--num-envs", type=int, help="default: the scenario's")
-    parser.add_argument("--envs-per-worker", type=int, help="default: the scenario's")
-    parser.add_argument("--min-get", type=int, help="default: the scenario's")
-    parser.add_argument("--seconds", type=float, default=8.0, help="the timed window")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="batch32",
+        help="scripts/bench.py's scenario whose loop is timed",
+    )
+    parser.add_argument("--num-envs", type=int, help="envs in the pool (unset: the scenario's)")
+    parser.add_argument(
+        "--envs-per-worker", type=int, help="envs per worker process (unset: the scenario's)"
+    )
+    parser.add_argument(
+        "--min-get", type=int, help="results each recv waits for (unset: the scenario's)"
+    )
+    parser.add_argument("--seconds", type=float, default=8.0, help="the timed window, seconds")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds run before it")
     parser.add_argument(
         "--no-env-threads", action="store_true", help="PoolConfig(env_threads=False)"

@@ -177,6 +177,35 @@ def test_a_scale_row_that_does_not_fit_is_skipped_with_its_reason(monkeypatch):
     assert [s.name for s in bench.select(table, ["scale"], False, True)] == ["scale16"]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--num-envs", "0"),  # was taken for "unset": 4 envs
+        ("--num-envs", "-1"),
+        ("--seconds", "0"),  # was taken for "unset": 3 s
+        ("--seconds", "-1"),
+        ("--seconds", "nan"),
+        ("--envs-per-worker", "0"),
+        ("--row-timeout", "-1"),
+        ("--row-timeout", "0"),
+    ],
+)
+def test_a_count_or_duration_below_1_or_0_is_an_argparse_error(monkeypatch, capsys, flag, value):
+    bench = load_bench(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args([flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be " in capsys.readouterr().err
+
+
+def test_given_counts_and_durations_are_kept_and_unset_ones_defaulted(monkeypatch):
+    bench = load_bench(monkeypatch)
+    cfg = bench.make_config(bench.parse_args(["--num-envs", "1", "--seconds", "0.05"]))
+    assert (cfg.num_envs, cfg.seconds) == (1, 0.05)
+    quick = bench.make_config(bench.parse_args(["--quick"]))
+    assert (quick.num_envs, quick.seconds, quick.row_timeout_s) == (2, 0.3, 300.0)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="CPU accounting reads /proc")
 def test_cpu_per_step_counts_the_worker_processes(quick_run):
     _, out = quick_run

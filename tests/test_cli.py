@@ -7,11 +7,14 @@ the short commands are started all at once and awaited together.
 from __future__ import annotations
 
 import io
+import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -285,6 +288,7 @@ def test_demo_rejects_a_bad_env_name(capsys):
     [
         ("raise RuntimeError('no display here')", "RuntimeError: no display here"),
         ("import no_such_dependency_xyz", "ModuleNotFoundError: No module named 'no_such_dep"),
+        ("import sys; sys.exit(3)", "SystemExit: 3"),  # was: exit 3, no message
     ],
 )
 def test_demo_env_whose_module_fails_to_import_is_a_one_line_error(
@@ -318,6 +322,29 @@ def test_demo_refuses_a_seed_torch_or_torchrl_would_refuse(monkeypatch, capsys, 
     )
     for good in (0, 2**64 - 1):
         assert cli.build_parser().parse_args(["demo", "--seed", str(good)]).seed == good
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("argv", "where"),
+    [
+        (["demo"], ("zmqpool.demo", "load_env_maker")),  # the env's import, before the handler
+        (["worker", "--help"], ("workers.cli", "main")),  # a passthrough's own imports
+    ],
+    ids=["demo-env-import", "worker-passthrough"],
+)
+def test_ctrl_c_anywhere_in_the_command_is_status_130(monkeypatch, argv, where):
+    module, name = where
+    monkeypatch.setattr(f"{module}.{name}", _interrupted)
+    monkeypatch.setattr(cli, "_cmd_demo", lambda args: pytest.fail("the demo ran"))
+    try:
+        code = cli.main(argv)
+    except KeyboardInterrupt:  # a failure of this test, not a Ctrl-C of pytest's session
+        pytest.fail("the KeyboardInterrupt escaped main(): a traceback, not status 130")
+    assert code == 130
 
 
 def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
@@ -370,3 +397,39 @@ def test_demo_kill_one_shows_the_restart():
     assert re.search(r"worker \S+ restarted: pid \d+", proc.stdout), proc.stdout
     assert re.search(r"env restarts: [1-9]", proc.stdout), proc.stdout
     assert sum(per_env_steps(proc.stdout).values()) == 400, proc.stdout
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children of any of its threads: the pool forks from one)."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(child) for child in children.read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [p for child in found for p in (child, *_descendants(child))]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads children from /proc")
+def test_ctrl_c_of_the_demo_in_a_terminal_exits_130_without_a_traceback():
+    """A terminal's Ctrl-C signals the whole process group: the trainer, the fork server and
+    the workers. Only the trainer's exit says so: the fork server and the workers ignore
+    SIGINT (the fork server printed its KeyboardInterrupt traceback, in os.read)."""
+    argv = [console_script(), "demo", "--num-envs", "2", "--steps", "100000000", "--no-progress"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        # The fork server and its 2 workers: all of the group a Ctrl-C would reach.
+        while len(_descendants(proc.pid)) < 3 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the demo's workers never started"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out}\n{err}"
+    assert "Traceback" not in err, err

@@ -12,6 +12,7 @@ answered exactly once, with the env's own count of its steps.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -283,3 +284,52 @@ def test_the_handler_is_put_back_when_the_last_pool_closes():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "put back"
+
+
+_GROUP_CTRL_C = """
+from zmqpool import ZMQAsyncEnvPool
+from zmqpool.testing import CountingEnv
+
+kwargs = [{"env_id": i, "step_sleep_s": (0.2, 0.2)} for i in range(2)]
+pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=kwargs)
+try:
+    action = pool.full_action_spec.zero()
+    pool.reset()
+    try:
+        print("stepping", flush=True)
+        for _ in range(300):  # a minute: the Ctrl-C comes in its first steps
+            pool.step(action)
+        print("never interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    pool.step(action)
+    print("restarts", [stats["restarts"] for stats in pool.env_stats().values()], flush=True)
+finally:
+    pool.close()
+"""
+
+
+def test_a_terminals_ctrl_c_reaches_the_trainer_not_its_local_workers():
+    """A terminal's Ctrl-C signals the trainer's whole process group: its local workers
+    took it too and died (a KeyboardInterrupt in the env's step), and the pool restarted
+    them, where a Ctrl-C held back is meant to leave it usable with nothing lost (CLI
+    audit). Local workers ignore SIGINT: the trainer decides."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GROUP_CTRL_C],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)  # its pool started, or not
+        assert ready and proc.stdout.readline().strip() == "stepping", proc.poll()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split("\n")[:2] == ["interrupted", "restarts [0, 0]"], (out, err[-2000:])

@@ -10,7 +10,9 @@ and a one-line error, not restart its env process for ever.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -44,11 +46,12 @@ NOT_CALLABLE = 3
 
 @pytest.fixture(scope="module")
 def helpers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with ``badmakers.py``, ``explodes.py`` (raises at import) and a key directory
-    ``keys/`` (one worker)."""
+    """A directory with ``badmakers.py``, ``explodes.py`` (raises at import), ``exits.py``
+    (``sys.exit(3)`` at import) and a key directory ``keys/`` (one worker)."""
     where = tmp_path_factory.mktemp("worker-cli")
     (where / "badmakers.py").write_text(textwrap.dedent(MAKERS))
     (where / "explodes.py").write_text("raise RuntimeError('no GPU here')\n")
+    (where / "exits.py").write_text("import sys\n\nsys.exit(3)\n")
     write_keys(where / "keys", 1)
     return where
 
@@ -152,6 +155,7 @@ def test_a_worker_that_cannot_register_exits_2_saying_why(runs):
     line = last_line(proc)
     assert line.startswith("python -m workers: gave up: env processes 0, 1: no answer from"), line
     assert "within 1.0 s" in line, line
+    assert "is --server-key the pool's server.key?" in line, line  # a wrong one: no answer either
     assert "; restarting in" not in proc.stderr, explain(proc)
 
 
@@ -184,6 +188,15 @@ def test_bad_slots_are_refused_before_any_env_process_starts(runs, name, message
         (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'LOUD'"),
         (["--connect", "garbage"], "argument --connect: must look like tcp://HOST:PORT"),
         (["--connect", "tcp://host"], "argument --connect: must look like tcp://HOST:PORT"),
+        # Each env process's connect would fail (ZMQError), restarted for ever: refused here.
+        (["--connect", "tcp://*:5555"], "argument --connect: needs the pool's host name or"),
+        (["--connect", "tcp://127.0.0.1:0"], "needs a port from 1 to 65535, got 0 in"),
+        (["--connect", "tcp://127.0.0.1:65536"], "needs a port from 1 to 65535, got 65536 in"),
+        (["--connect", "tcp://-:5555"], "needs a host name or address (a letter or digit first"),
+        (["--connect", "tcp://a*b:5555"], "needs a host name or address (a letter or digit first"),
+        (["--env-indices", "a"], "argument --env-indices: must be comma-separated env indices"),
+        (["--env-indices", "1,1"], "argument --env-indices: must be distinct env indices >= 0"),
+        (["--env", "m:f", "--maker-stdin"], "argument --maker-stdin: not allowed with argument"),
     ],
 )
 def test_bad_values_are_argparse_errors(capsys, argv, message):
@@ -199,6 +212,8 @@ def test_good_values_still_parse():
     )
     assert (args.log_level, args.register_timeout, args.num_envs) == ("INFO", 0.5, 1)
     assert cli.build_parser().parse_args(["--connect", "ipc:///tmp/x/r"]).connect
+    for endpoint in ("tcp://trainer-1.example_lab.org:1", "tcp://10.0.0.2:65535"):
+        assert cli.build_parser().parse_args(["--connect", endpoint]).connect == endpoint
 
 
 def run_fails(capsys, helpers: Path, monkeypatch, *argv: str) -> tuple[int, str]:
@@ -225,6 +240,7 @@ def run_fails(capsys, helpers: Path, monkeypatch, *argv: str) -> tuple[int, str]
         ("badmakers:NOT_CALLABLE", "'NOT_CALLABLE' of 'badmakers' is a int, not a callable"),
         # Any exception at import, not only ImportError: one line naming module and exception.
         ("explodes:make", "--env explodes:make: cannot import 'explodes': RuntimeError: no GPU"),
+        ("exits:make", "--env exits:make: cannot import 'exits': SystemExit: 3"),
     ],
 )
 def test_a_bad_env_name_is_a_one_line_error(capsys, helpers, monkeypatch, env, message):
@@ -237,6 +253,50 @@ def test_bad_kwargs_are_a_one_line_error(capsys, helpers, monkeypatch):
         capsys, helpers, monkeypatch, "--env", "badmakers:boom", "--kwargs", "{bad"
     )
     assert code == 2 and line.startswith("python -m workers: error: --kwargs is not JSON"), line
+
+
+@pytest.mark.parametrize(
+    "given", [["--server-key", "keys/server.key"], ["--client-key", "keys/x.key_secret"]]
+)
+def test_one_key_flag_without_the_other_is_a_usage_error(capsys, helpers, monkeypatch, given):
+    code, line = run_fails(capsys, helpers, monkeypatch, "--env", "badmakers:boom", *given)
+    assert code == 2, line
+    assert line == "python -m workers: error: give both --server-key and --client-key, or neither"
+
+
+@pytest.mark.parametrize(
+    ("stdin", "message"),
+    [
+        (b"", "nothing on stdin"),
+        (b"garbage\n", "not the pool's env makers: "),
+        (pickle.dumps({"indices": [0]}), "not the pool's env makers: KeyError: 'recipes'"),
+    ],
+    ids=["empty", "garbage", "no-recipes"],
+)
+def test_a_bad_maker_stdin_is_a_one_line_error(capsys, monkeypatch, stdin, message):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked"))
+    with pytest.raises(SystemExit) as info:
+        cli.run(["--connect", "tcp://127.0.0.1:9", "--env-indices", "0", "--maker-stdin"])
+    text = info.value.code  # SystemExit("message"): status 1, the message on stderr
+    assert isinstance(text, str) and "\n" not in text, text
+    assert text.startswith("python -m workers: --maker-stdin: ") and message in text, text
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_env_module_imports_is_status_130(monkeypatch):
+    """Outside ``serve`` too: the maker's import (torch's, seconds) is where a Ctrl-C lands."""
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "maker_from_name", interrupted)
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked"))
+    try:
+        code = cli.main(["--connect", "tcp://127.0.0.1:9", "--env", "zmqpool.testing:X"])
+    except KeyboardInterrupt:  # a failure of this test, not a Ctrl-C of pytest's session
+        pytest.fail("the KeyboardInterrupt escaped main(): a traceback, not status 130")
+    assert code == 130
 
 
 def _keys(helpers: Path, server: str, client: str) -> list[str]:

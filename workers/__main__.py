@@ -4,10 +4,19 @@ import logging
 import os
 import sys
 
-from workers.cli import main
+
+def _main() -> int:
+    """``workers.cli.main``, its import included: it imports torch, seconds a Ctrl-C may hit."""
+    try:
+        from workers.cli import main
+
+        return main()
+    except KeyboardInterrupt:
+        return 130
+
 
 if __name__ == "__main__":
-    code = main()
+    code = _main()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

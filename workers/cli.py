@@ -6,7 +6,8 @@ Two ways to say which envs to host:
   envs from an importable name (remote workers: code never crosses the wire).
 - ``--maker-stdin``: read the env makers from standard input, cloudpickled.
   Only the pool that spawned this process writes there (local and trusted);
-  nothing read from a socket is ever unpickled.
+  nothing read from a socket is ever unpickled. It and ``--env-indices`` are
+  the pool's own flags (``zmqpool.launcher``), hidden from ``--help``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import sys
 
 from workers.hosting import (
@@ -76,7 +78,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "one others can guess can be taken by another key's holder first); with a "
         "supervisor, each child's is <identity>-<k>-<random> (default identity: host-pid)",
     )
-    parser.add_argument("--env", help="importable env maker, package.module:callable")
+    makers = parser.add_mutually_exclusive_group()
+    makers.add_argument("--env", help="importable env maker, package.module:callable")
+    # The pool's own (zmqpool.launcher): a local worker's makers, pickled, on its stdin.
+    makers.add_argument("--maker-stdin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--kwargs",
         default="{}",
@@ -112,10 +117,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument("--server-key", help="the pool's CURVE public key file (server.key)")
     parser.add_argument("--client-key", help="this worker's CURVE secret key file (.key_secret)")
-    parser.add_argument("--env-indices", help="comma-separated pool indices (local workers)")
-    parser.add_argument(
-        "--maker-stdin", action="store_true", help="read cloudpickled makers from stdin"
-    )
+    # The pool's own too: the env indices of a local worker.
+    parser.add_argument("--env-indices", type=_env_indices, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, help="exit when this process dies")
     parser.add_argument(
         "--heartbeat-interval", type=positive_seconds, default=1.0, help="seconds, > 0 (default 1)"
@@ -151,35 +154,91 @@ def _threads(text: str) -> int:
     return value
 
 
-_ENDPOINT = re.compile(r"(tcp://(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):\d+|ipc://\S+)")
+def _env_indices(text: str) -> list[int]:
+    """``--env-indices``: comma-separated distinct pool env indices, each >= 0."""
+    try:
+        indices = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated env indices, got {text!r}"
+        ) from None
+    if min(indices) < 0 or len(set(indices)) != len(indices):
+        raise argparse.ArgumentTypeError(f"must be distinct env indices >= 0, got {indices}")
+    return indices
+
+
+_ENDPOINT = re.compile(r"tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):(?P<port>\d+)|ipc://\S+")
+#: A host name or IPv4 address as libzmq's connect takes it: a letter or digit first, then
+#: letters, digits, '.', '-' or '_'. It refuses others with a ZMQError in each env process,
+#: which the supervisor would restart for ever.
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAX_PORT = 65535
 
 
 def _endpoint(text: str) -> str:
-    """A ZeroMQ endpoint a worker can connect to: ``tcp://HOST:PORT`` (or ``ipc://PATH``)."""
-    if not _ENDPOINT.fullmatch(text):
+    """A ZeroMQ endpoint a worker can connect to: ``tcp://HOST:PORT`` (or ``ipc://PATH``).
+
+    Checked here, not by a trial connect: libzmq starts a TCP connect in its
+    I/O thread at once, so a trial would reach the pool (or whatever listens).
+    """
+    match = _ENDPOINT.fullmatch(text)
+    if not match:
         raise argparse.ArgumentTypeError(f"must look like tcp://HOST:PORT, got {text!r}")
+    host, port = match["host"], match["port"]
+    if host == "*":  # the pool binds "any interface"; a worker connects to one host
+        raise argparse.ArgumentTypeError(
+            f"needs the pool's host name or address, not '*' (that is for bind), got {text!r}"
+        )
+    if host is not None and not host.startswith("[") and not _HOST.fullmatch(host):
+        raise argparse.ArgumentTypeError(
+            f"needs a host name or address (a letter or digit first, then letters, digits, "
+            f"'.', '-' or '_'), got {host!r} in {text!r}"
+        )
+    if port is not None and not 1 <= int(port) <= _MAX_PORT:
+        raise argparse.ArgumentTypeError(
+            f"needs a port from 1 to {_MAX_PORT}, got {port} in {text!r}"
+        )
     return text
 
 
+class MakerPayloadError(ValueError):
+    """What ``--maker-stdin`` read is not the pool's cloudpickled env makers."""
+
+
 def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
+    """The pool's ``--maker-stdin`` payload; :class:`MakerPayloadError` if it is not one."""
     import cloudpickle
 
-    payload = cloudpickle.loads(data)
-    sys.path[:0] = [p for p in payload["sys_path"] if p not in sys.path]
-    recipes = [EnvRecipe(maker, kwargs) for maker, kwargs in payload["recipes"]]
-    return list(payload["indices"]), recipes
+    if not data:
+        raise MakerPayloadError("nothing on stdin (the pool writes the env makers there)")
+    try:
+        payload = cloudpickle.loads(data)
+        indices = [int(i) for i in payload["indices"]]
+        recipes = [EnvRecipe(maker, kwargs) for maker, kwargs in payload["recipes"]]
+        sys_path = [str(p) for p in payload["sys_path"]]
+    except Exception as err:  # garbage, a truncated pickle, a maker whose module won't import
+        raise MakerPayloadError(f"not the pool's env makers: {type(err).__name__}: {err}") from err
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    return indices, recipes
+
+
+def _read_maker_payload(
+    args: argparse.Namespace, maker_payload: bytes | None
+) -> tuple[list[int], list[EnvRecipe]]:
+    """``_recipes_from_payload`` of stdin (or of the fork server's copy); a one-line exit."""
+    data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
+    try:
+        return _recipes_from_payload(data)
+    except MakerPayloadError as err:
+        raise SystemExit(" ".join(f"{args.prog}: --maker-stdin: {err}".split())) from None
 
 
 def _recipes_from_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[list[int], list[EnvRecipe]]:
     if not args.env:
-        parser.error("give --env package.module:callable or --maker-stdin")
-    indices = (
-        [int(i) for i in args.env_indices.split(",")]
-        if args.env_indices
-        else list(range(args.num_envs))
-    )
+        parser.error("give --env package.module:callable")
+    indices = args.env_indices or list(range(args.num_envs))
     args.num_envs = len(indices)
     kwargs = _kwargs_list(parser, args)
     try:  # checked here, once: not in each env process, restarted for ever
@@ -190,22 +249,31 @@ def _recipes_from_args(
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """``python -m workers``: see ``--help``."""
-    return run(argv, prog=prog)
+    """``python -m workers``: see ``--help``; 130 after a Ctrl-C, wherever it lands."""
+    try:  # the whole run: a Ctrl-C while the envs' modules import is no traceback either
+        return run(argv, prog=prog)
+    except KeyboardInterrupt:
+        return 130
 
 
 def run(argv: list[str] | None, maker_payload: bytes | None = None, prog: str = PROG) -> int:
     """Run a worker; ``maker_payload`` replaces stdin for ``--maker-stdin`` (the fork server)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if bool(args.server_key) != bool(args.client_key):  # a usage error: status 2, as argparse's
+        parser.error("give both --server-key and --client-key, or neither")
     logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(message)s")
     die_with_parent(args.parent_pid)
     if args.maker_stdin:
-        data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
-        indices, recipes = _recipes_from_payload(data)
+        indices, recipes = _read_maker_payload(args, maker_payload)
     else:
         indices, recipes = _recipes_from_args(parser, args)
     remote = not args.env_indices and not args.maker_stdin
+    if not remote:
+        # A Ctrl-C in the trainer's terminal signals its whole process group, this worker
+        # too: the trainer decides what it means (held back, its pool usable after it).
+        # A local worker ends with its trainer (PR_SET_PDEATHSIG) or its pool's CLOSE.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     slots = _slots(parser, args) if remote else None  # before any env process is forked
     keys = _client_keys(args)
     if remote and not args.single_process:
@@ -225,9 +293,10 @@ def run(argv: list[str] | None, maker_payload: bytes | None = None, prog: str = 
 
 
 def _client_keys(args: argparse.Namespace) -> ClientKeys | None:
-    """The CURVE keys of ``--server-key`` and ``--client-key``; a one-line exit if unusable."""
-    if bool(args.server_key) != bool(args.client_key):
-        raise SystemExit(f"{args.prog}: give both --server-key and --client-key, or neither")
+    """The CURVE keys of ``--server-key`` and ``--client-key``; a one-line exit if unusable.
+
+    Given both or neither: :func:`run` checked that (an argparse error).
+    """
     if not args.server_key:
         return None
     for flag, path in (("--server-key", args.server_key), ("--client-key", args.client_key)):

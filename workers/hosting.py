@@ -350,9 +350,10 @@ def maker_from_name(name: str) -> Callable[..., Any]:
 
     The one check of an ``--env`` name, for ``python -m workers`` and ``zmqpool
     demo`` alike: whatever goes wrong (the name's form, the module's import,
-    with whatever exception it raised, a missing attribute, an attribute that
-    is not callable) is a :class:`ValueError` whose message is one line, which
-    the command lines print as an argparse error (exit status 2).
+    with whatever it raised, a ``sys.exit()`` too, a missing attribute, an
+    attribute that is not callable) is a :class:`ValueError` whose message is
+    one line, which the command lines print as an argparse error (exit status
+    2). Only a KeyboardInterrupt passes: the user's Ctrl-C, not the module's.
 
     Example:
         >>> maker_from_name("zmqpool.testing:CountingEnv").__name__
@@ -367,7 +368,9 @@ def maker_from_name(name: str) -> Callable[..., Any]:
         raise ValueError(f"must look like package.module:callable, got {name!r}")
     try:
         target: Any = importlib.import_module(module_name)
-    except Exception as err:  # not only ImportError: a module's own code may raise anything
+    except KeyboardInterrupt:  # the user's Ctrl-C, not the module's failure
+        raise
+    except BaseException as err:  # not only ImportError: a module may raise anything, exit too
         raise ValueError(f"cannot import {module_name!r}: {_one_line(err)}") from err
     try:
         for part in attr.split("."):

@@ -418,7 +418,8 @@ class Worker:
             raise RegistrationError(key_refused(self.router, refused, self.keys))
         raise RegistrationError(
             f"no answer from the pool at {self.router} within {timeout} s (is it up? "
-            "for TCP with CURVE: is this worker's key in the pool's authorized/ folder?)"
+            "for TCP with CURVE: is this worker's key in the pool's authorized/ folder, and is "
+            "--server-key the pool's server.key?)"
         )
 
     def _await_registration_reply(self, wait_s: float, deadline: float | None) -> Header | None:

@@ -25,6 +25,18 @@ Its stdout and stderr are the trainer's, and so are its children's: an env's
 ``print()`` goes to the trainer's stdout, as under ``SerialEnv`` (the reports
 had the zygote's stdout once, and every worker's stdout went to stderr).
 
+It ignores SIGINT: a Ctrl-C in a terminal signals the whole process group,
+the trainer, this process and its children alike, and the trainer decides
+what a Ctrl-C means. This process has nothing to stop but itself, and
+stops without a signal: at end of file on stdin (the last pool's
+``close()``, or the trainer's death, which closes the pipe) and, should the
+trainer die without closing it, by ``PR_SET_PDEATHSIG`` (SIGKILL). Each
+child puts SIGINT back to Python's default before it becomes a worker (an
+ignored signal would stay ignored through its envs' own ``exec``); the
+worker then ignores it again once it knows it is a local one
+(``workers.cli.run``), and a Ctrl-C before that ends it quietly, with
+status 130.
+
 Its children die with it (``PR_SET_PDEATHSIG``, set by each worker for its
 parent): a worker orphaned by a killed zygote would have nobody to report its
 death and nothing tying it to the trainer's life. The pool sees those deaths
@@ -66,6 +78,7 @@ def _reap(report_fd: int) -> None:
 def _child(request: dict, report_fd: int) -> None:
     """In the forked child: become a worker. Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote's SIG_IGN is not ours
     os.close(report_fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -80,6 +93,8 @@ def _child(request: dict, report_fd: int) -> None:
         from workers.cli import run
 
         code = run(request["argv"], maker_payload=request["payload"])
+    except KeyboardInterrupt:  # Ctrl-C before run() could catch it (its imports): no traceback
+        code = 130
     except BaseException:
         traceback.print_exc()
     finally:
@@ -105,6 +120,8 @@ def serve(report_fd: int) -> None:
 
 
 def main() -> None:
+    # First, before the seconds of imports: see the module's docstring on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The point of this process: import once, fork many times.
     import tensordict  # noqa: F401
     import torch  # noqa: F401

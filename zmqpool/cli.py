@@ -122,8 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``zmqpool`` command line; returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    """Run the ``zmqpool`` command line; returns the exit status (130 after Ctrl-C)."""
+    try:  # all of it: a Ctrl-C in the first seconds lands in torch's import
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args_list: list[str]) -> int:
     if args_list and args_list[0] in _PASSTHROUGH:  # they set up their own logging
         return _PASSTHROUGH[args_list[0]](args_list[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -136,10 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_env_maker(args.env)
         except ValueError as err:  # one line, as python -m workers --env says it
             args.parser.error(f"--env {args.env}: {err}")
-    try:
-        return int(args.handler(args))
-    except KeyboardInterrupt:
-        return 130
+    return int(args.handler(args))
 
 
 # ------------------------------------------------------------------ demo
@@ -188,12 +191,9 @@ def _run_bench(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        # The script's usage line names the command that ran it, not bench.py.
-        env = {**os.environ, BENCH_PROG_VARIABLE: f"{PROG} bench"}
-        return subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv], env=env)
-    except KeyboardInterrupt:
-        return 130
+    # The script's usage line names the command that ran it, not bench.py.
+    env = {**os.environ, BENCH_PROG_VARIABLE: f"{PROG} bench"}
+    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *argv], env=env)
 
 
 _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
