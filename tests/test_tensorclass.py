@@ -285,10 +285,10 @@ def test_layouts_without_tensorclasses_are_unchanged():
     assert "c" not in data and "s" not in data  # no branch: same batch size, keys of its own
     out = round_trip(plain)
     assert type(out.get("tc")) is TensorDict
-    # "c" needed no bump (the wire docstring); 3 to 11 (batches, rows joined, held replies,
-    # WELCOME's max_frame, SEED's next_seed, the beacon's asks, pieces, reset keywords)
-    # came later.
-    assert PROTOCOL_VERSION == 11
+    # "c" needed no bump (the wire docstring); 3 to 12 (batches, rows joined, held replies,
+    # WELCOME's max_frame, SEED's next_seed, the beacon's asks, pieces, reset keywords,
+    # set_state and reseed) came later.
+    assert PROTOCOL_VERSION == 12
 
 
 def test_the_broker_sizes_a_tensorclass_env_from_its_specs():

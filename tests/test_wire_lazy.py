@@ -201,10 +201,10 @@ def test_layouts_without_lazy_stacks_encode_to_the_same_bytes_as_before():
     td.set_non_tensor("info", "hi")
     frames = encode_message(Header(Command.RESULT, 0, 1), [Encoder().encode(td)])
     # Made by the encoder before "z" existed, byte for byte but for the version
-    # (the header's second byte: 11 since a reset may carry keywords, which came later).
-    assert PROTOCOL_VERSION == 11
+    # (the header's second byte: 12 since REGISTER says set_state, which came later).
+    assert PROTOCOL_VERSION == 12
     assert [bytes(memoryview(f).cast("B")).hex() for f in frames] == [
-        "970b1e0001c400910082a14c810084a16290a174929491a36f6273a7666c6f617433329103c29492a6"
+        "970c1e0001c400910082a14c810084a16290a174929491a36f6273a7666c6f617433329103c29492a6"
         "6e6573746564a178a5696e743136920202c2a16e9191a4696e666fa173929291a66e65737465649102"
         "9291a5656d70747990a26e749191a26869",
         "000000000000803f00000040000000000000010002000300",

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 import zmq.auth
 
 from workers import cli
@@ -61,13 +62,32 @@ def _worker(port: int, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(helpers: Path, unused_port: int) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+def silent_port() -> Iterator[int]:
+    """A ROUTER's port that takes connections and answers nothing: a pool that never welcomes.
+
+    Connected, a worker whose maker failed says so at once; against a refused port
+    each failure waited 2 s to be connected (``workers.loop._FAILED_CONNECT_WAIT_MS``),
+    10 s of the fixture for MAX_MAKER_FAILURES failures.
+    """
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        yield port
+    finally:
+        router.close()
+        context.term()
+
+
+@pytest.fixture(scope="module")
+def runs(helpers: Path, silent_port: int) -> Iterator[dict[str, subprocess.CompletedProcess]]:
     """Start every supervised case at once; yield name -> finished process."""
     argvs = {
-        "boom": _worker(unused_port, "--env", "badmakers:boom"),
-        "not_env": _worker(unused_port, "--env", "badmakers:not_env"),
+        "boom": _worker(silent_port, "--env", "badmakers:boom"),
+        "not_env": _worker(silent_port, "--env", "badmakers:not_env"),
         "no_pool": _worker(
-            unused_port,
+            silent_port,
             "--env",
             "zmqpool.testing:CountingEnv",
             "--num-envs",
@@ -76,7 +96,7 @@ def runs(helpers: Path, unused_port: int) -> Iterator[dict[str, subprocess.Compl
             "1",
         ),
         "slots_letters": _worker(
-            unused_port,
+            silent_port,
             "--env",
             "zmqpool.testing:CountingEnv",
             "--num-envs",
@@ -85,7 +105,7 @@ def runs(helpers: Path, unused_port: int) -> Iterator[dict[str, subprocess.Compl
             "a,b",
         ),
         "slots_count": _worker(
-            unused_port, "--env", "zmqpool.testing:CountingEnv", "--slots", "1,2"
+            silent_port, "--env", "zmqpool.testing:CountingEnv", "--slots", "1,2"
         ),
     }
     pythonpath = os.pathsep.join(p for p in (str(helpers), str(ROOT)) if p)
