@@ -22,8 +22,8 @@ class ProcessExited:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerFailed:
-    """A worker could not come up: its env maker raised, its REGISTER would not fit,
-    or it speaks another protocol version."""
+    """A worker could not come up: its env maker raised, its REGISTER would not fit, it
+    speaks another protocol version, or the pool refused the worker it started."""
 
     identity: bytes
     kind: FailureKind
