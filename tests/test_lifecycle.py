@@ -99,6 +99,29 @@ def test_close_is_bounded_with_hung_workers_and_leaves_nothing():
     assert pool.worker_processes() == {} and pool.worker_pid(0) is None  # not the dead pid
 
 
+def test_a_collector_shut_down_early_closes_the_pool_as_serial_env():
+    """The pool said is_closed from its construction until a restart, so Collector.shutdown
+    (``close_env and not env.is_closed``) left its workers running until close() (ecosystem
+    audit). Open, it says it is open, as SerialEnv does once started."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import SerialEnv
+
+    makers = counting_makers(2, max_steps=3)
+    serial, pool = SerialEnv(2, makers), ZMQAsyncEnvPool(makers)
+    try:
+        assert not pool.is_closed and len(worker_pids(pool)) == 2
+        pids = worker_pids(pool)
+        for env in (serial, pool):
+            collector = Collector(env, policy=None, frames_per_batch=4, total_frames=400)
+            next(iter(collector))  # one batch of many, then stop
+            collector.shutdown()
+            assert env.is_closed
+        assert pool.worker_processes() == {} and pids_alive(pids) == []  # close() reaps them
+    finally:
+        serial.close(raise_if_closed=False)
+        pool.close(raise_if_closed=False)
+
+
 def test_a_pool_a_collector_closed_starts_again_when_used_after_as_serial_env():
     """torchrl's Collector closes its env at total_frames. SerialEnv starts again on the
     next call, and so does the pool (torchrl's stays closed): the same rollout after."""

@@ -298,6 +298,9 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             create_env_kwargs=create_env_kwargs,
         )
         self.exchange = "zmq"
+        # The workers run from here on: said so, as SerialEnv says once started, so that
+        # torchrl's `if not env.is_closed: env.close()` (Collector.shutdown) closes the pool.
+        self.is_closed = False
 
     # ------------------------------------------------------------ set-up
 
