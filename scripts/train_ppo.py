@@ -68,6 +68,16 @@ class Config:
 QUICK = {"frames": 2_000, "frames_per_batch": 500, "epochs": 2, "minibatch_size": 125}
 
 
+def _add_size(parser: argparse.ArgumentParser, field: str, what: str, default: Config) -> None:
+    """A size ``--quick`` shrinks: unset, the default's or QUICK's, as the help says."""
+    parser.add_argument(
+        f"--{field.replace('_', '-')}",
+        type=int,
+        default=None,
+        help=f"{what} (unset: {getattr(default, field):,}, {QUICK[field]:,} with --quick)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config` (``--quick`` shrinks the sizes)."""
     default = Config()
@@ -75,23 +85,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
         description=__doc__.split("\n", 1)[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--frames",
-        type=int,
-        default=None,
-        help=f"total env frames to collect (unset: {default.frames:,}, "
-        f"{QUICK['frames']:,} with --quick)",
-    )
+    _add_size(parser, "frames", "total env frames to collect", default)
     parser.add_argument(
         "--num-envs", type=int, default=default.num_envs, help="envs in the pool, >= 1"
     )
-    parser.add_argument(
-        "--frames-per-batch",
-        type=int,
-        default=None,
-        help=f"env frames per collected batch (unset: {default.frames_per_batch:,}, "
-        f"{QUICK['frames_per_batch']:,} with --quick)",
-    )
+    _add_size(parser, "frames_per_batch", "env frames per collected batch", default)
     parser.add_argument(
         "--backend", choices=BACKENDS, default=default.backend, help="the env pool to collect from"
     )
