@@ -176,6 +176,26 @@ def test_slots_asked_for_by_name_must_all_be_free():
     assert roster.plan_remote(b"b", None, b"i", 2, [0, 2]).envs == [0, 2]
 
 
+def test_a_newcomer_of_any_key_waits_only_for_slots_a_live_worker_holds_that_it_may_take():
+    """A host died and another, under another key, took over at once: it found no room
+    while the dead one was not yet found silent, and was refused for good (warm
+    starts showed it: the env was lost while its replacement ran)."""
+    roster = Roster(3, [], [0, 1, 2])
+    a = roster.take_remote(b"a", "KEY-A", roster.plan_remote(b"a", "KEY-A", b"i", 2, None), "")
+    register(roster, a)
+    with pytest.raises(NoRoomError):
+        roster.plan_remote(b"b", "KEY-B", b"i", 2, None)
+    assert roster.held_by_live("KEY-B", 2) and roster.held_by_live("KEY-B", 3)
+    roster.vacate(a, now=0.0, cause="silent")  # set aside: not live, its slots free
+    assert roster.held_by_live("KEY-B", 3)
+    assert not roster.held_by_live("KEY-B", 4)  # more than the pool has
+    reserved = Roster(2, [], [0, 1])
+    reserved.reserve("KEY-A", [0, 1])  # a launcher's slots: no other key may take them
+    c = reserved.take_remote(b"c", "KEY-A", reserved.plan_remote(b"c", "KEY-A", b"i", 2, None), "")
+    register(reserved, c)
+    assert reserved.held_by_live("KEY-A", 2) and not reserved.held_by_live("KEY-B", 1)
+
+
 def test_a_replacement_host_takes_its_keys_slots_within_the_quota_and_no_more():
     """With max_slots_per_key, a replacement host (same key, new identity) of a worker:
 

@@ -297,13 +297,15 @@ class Registrar:
             self.events.append(WorkerFailed(identity, FailureKind.VERSION, str(err)))
 
     def _may_be_a_replacement(self, identity: bytes, key: str | None, count: int) -> bool:
-        """Whether a REGISTER that found no room should wait for its key's live worker.
+        """Whether a REGISTER that found no room should wait for a live worker's silence.
 
-        For at most two heartbeat timeouts from its first try: by then a worker
-        it replaces has been found silent; one still live is its key's other
-        worker, and the newcomer is refused "no room" (a pool full for its key).
+        When live remote workers hold slots it may take (any key's: a host died
+        and another took over), or its key's live worker holds as many over the
+        quota; for at most two heartbeat timeouts from its first try: by then a
+        worker it replaces has been found silent; those still live are others,
+        and the newcomer is refused "no room".
         """
-        if not self.roster.held_live(key, count):
+        if not (self.roster.held_live(key, count) or self.roster.held_by_live(key, count)):
             return False
         now = time.monotonic()
         if len(self._waiting_since) > _MAX_WAITING and identity not in self._waiting_since:
@@ -335,10 +337,10 @@ class Registrar:
             record, specs = self._admit(identity, key, reg, remote)
         except NoRoomError as err:
             if self._may_be_a_replacement(identity, key, len(reg.specs)):
-                # Its key's live worker of as many slots is likely the one it replaces,
-                # gone while the pool was not listening: no answer, so it asks again
-                # (with backoff) and gets the slots once that worker is found silent.
-                self.ledger.drop("a REGISTER for slots its key's live worker holds: it waits")
+                # A live worker holding the slots is likely the one it replaces, gone
+                # while the pool was not listening or not yet found silent: no answer,
+                # so it asks again (with backoff) and gets them once that one is.
+                self.ledger.drop("a REGISTER for slots a live worker holds: it waits")
                 return
             self._refuse(identity, err, remote, key)
             return

@@ -403,6 +403,25 @@ class Roster:
             w.phase is WorkerPhase.LIVE and len(w.envs) == count for w in self.keyed(key)
         )
 
+    def held_by_live(self, key: str | None, count: int) -> bool:
+        """Whether ``count`` slots ``key`` may take are free or held by live remote workers.
+
+        A new worker asking for them, with too few free, may replace one of
+        those workers, on another host or under another key: its host died and
+        is not found silent yet. (A replacement that started in a second was
+        refused, and the env was lost while it ran.)
+        """
+        takeable = [
+            i
+            for i in self.remote_indices
+            if self._may_take(i, key) and (self._is_free(i) or self._held_by_live_remote(i))
+        ]
+        return len(takeable) >= count
+
+    def _held_by_live_remote(self, index: int) -> bool:
+        holder = self.envs[index].holder
+        return holder is not None and holder.remote and holder.phase is WorkerPhase.LIVE
+
     def keyed(self, key: str) -> list[WorkerRecord]:
         """The remote workers known by ``key``."""
         return [w for w in self._workers.values() if w.remote and w.key == key]
