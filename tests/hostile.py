@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import warm
 import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
@@ -754,12 +755,12 @@ class Victim:
         }
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
+        # Forked warm (tests/warm.py): a fresh interpreter's torchrl import took seconds of CPU.
+        self.proc = warm.popen(
             [sys.executable, str(HERE), "serve", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},  # PYTHONPATH and all
         )
         self.events: list[dict[str, Any]] = []

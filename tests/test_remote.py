@@ -20,6 +20,7 @@ import time
 import msgpack
 import pytest
 import torch
+import warm
 import zmq
 from tensordict import TensorDict
 from torchrl.envs import SerialEnv
@@ -60,7 +61,7 @@ def remote_pool(host, port, keys, config=BEATS, **kwargs) -> ZMQAsyncEnvPool:
     )
 
 
-def kill_host(worker: subprocess.Popen) -> None:
+def kill_host(worker: warm.WarmProcess) -> None:
     """The whole host goes away: its supervisor and env processes, SIGKILLed."""
     kids = ns_children(worker)
     worker.kill()
@@ -80,10 +81,9 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def ns_children(worker: subprocess.Popen) -> list[int]:
-    """The env processes of a remote supervisor (under `ip netns exec`, one level deeper)."""
-    kids = children(worker.pid)
-    return [grandchild for kid in kids for grandchild in children(kid)] or kids
+def ns_children(worker: warm.WarmProcess) -> list[int]:
+    """The env processes of a remote supervisor (the worker's process: tests/warm.py)."""
+    return children(worker.pid)
 
 
 @pytest.fixture(scope="module")
@@ -293,16 +293,10 @@ def test_a_pool_closed_normally_is_no_warning_on_its_workers_host_a_killed_env_i
     assert " worker WARNING " in lines[0], err  # the level, as the trainer's log lines say it
 
 
-def new_env_processes(worker: subprocess.Popen, old: list[int], timeout: float = 60) -> list[int]:
-    """The remote supervisor's env processes once none of ``old`` is among them.
-
-    Not :func:`ns_children`, which gives the supervisor itself while it has no child.
-    """
-    with open(f"/proc/{worker.pid}/cmdline", "rb") as proc:
-        cmdline = proc.read()
-    supervisor = worker.pid if b"workers" in cmdline else children(worker.pid)[0]
+def new_env_processes(worker: warm.WarmProcess, old: list[int], timeout: float = 60) -> list[int]:
+    """The remote supervisor's env processes once there are some and none of ``old``."""
     deadline = time.monotonic() + timeout
-    while (kids := children(supervisor)) == [] or set(kids) & set(old):
+    while (kids := children(worker.pid)) == [] or set(kids) & set(old):
         assert time.monotonic() < deadline, f"env processes {old} still there after {timeout} s"
         time.sleep(0.05)
     return kids
@@ -404,6 +398,9 @@ def test_a_worker_that_lost_the_pool_in_a_link_drop_gets_its_requests_again(remo
 
 
 def test_a_silent_worker_is_replaced_by_a_new_one_within_the_deadline(remote_host, key_dir):
+    """Another key's worker registers at once, before the first is found silent (1 s): it
+    waits for that verdict and takes the slot. It was refused "no room" and exited, and
+    the env was lost after rejoin_timeout_s while it ran (seen once workers started warm)."""
     port = free_port_base(remote_host.pool_ip)
     first = start_remote_worker(
         remote_host, port, key_dir, kwargs={"step_sleep_s": [0.5, 0.5]}, extra=FAST_BEATS
@@ -488,7 +485,7 @@ def test_a_second_worker_of_a_key_with_no_slot_left_is_refused_after_waiting(rem
                 stop(process)
 
 
-def faulty_worker(host, port, keys, kwargs, **more) -> subprocess.Popen:
+def faulty_worker(host, port, keys, kwargs, **more) -> warm.WarmProcess:
     """A remote worker of FaultyEnvs (``kwargs``: one dict, or one per env)."""
     env = "zmqpool.testing:FaultyEnv"
     return start_remote_worker(host, port, keys, env=env, kwargs=kwargs, **more)
@@ -618,9 +615,7 @@ def test_a_restarted_trainer_picks_its_waiting_workers_up_again(
     worker = start_remote_worker(remote_host, port, key_dir, extra=FAST_BEATS)
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), bind, str(key_dir)], stdout=subprocess.PIPE, text=True
-    )
+    trainer = warm.popen([sys.executable, str(script), bind, str(key_dir)], stdout=subprocess.PIPE)
     try:
         assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
         trainer.kill()  # the trainer dies without closing anything

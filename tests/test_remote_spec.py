@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import warm
 from tensordict import TensorDict
 
 from tests.netns import free_port_base
@@ -23,13 +24,13 @@ from zmqpool.testing import CountingEnv
 CONFIG = PoolConfig(register_timeout_s=60.0, close_timeout_s=2.0)
 
 
-def remote_worker(port: int, keys, obs_shape: tuple[int, ...]) -> subprocess.Popen:
+def remote_worker(port: int, keys, obs_shape: tuple[int, ...]) -> warm.WarmProcess:
     argv = [sys.executable, "-m", "workers", "--connect", f"tcp://127.0.0.1:{port}"]
     argv += ["--env", "zmqpool.testing:CountingEnv", "--single-process"]
     argv += ["--kwargs", json.dumps({"obs_shape": list(obs_shape)}), "--register-timeout", "60"]
     argv += ["--server-key", str(keys / "server.key")]
     argv += ["--client-key", str(keys / "workers" / "worker-0.key_secret")]
-    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    return warm.popen(argv, stderr=subprocess.PIPE)
 
 
 def test_a_remote_only_pool_with_remote_spec_refuses_the_first_worker_if_it_differs(key_dir):

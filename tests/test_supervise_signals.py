@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = 2
@@ -57,7 +58,7 @@ def test_the_supervisor_stops_its_children_and_exits_when_signalled(unused_port,
     env = {**os.environ, "PYTHONPATH": pythonpath}
     log = tmp_path / "supervisor.log"
     with log.open("w") as err:
-        proc = subprocess.Popen(argv, stderr=err, env=env, cwd=ROOT, start_new_session=True)
+        proc = warm.popen(argv, stderr=err, env=env, cwd=ROOT, start_new_session=True)
     group = proc.pid  # its own session: the supervisor and its children, nothing else
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -20,13 +20,13 @@ import contextlib
 import os
 import socket
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import warm
 import zmq
 from zmq.utils import z85
 
@@ -73,7 +73,7 @@ class PeakMemory:
 
 
 @contextlib.contextmanager
-def worker_process(endpoint: str, keys: Path, log: Path) -> Iterator[subprocess.Popen]:
+def worker_process(endpoint: str, keys: Path, log: Path) -> Iterator[warm.WarmProcess]:
     """A remote worker (one CountingEnv, this process), beating every BEAT_S."""
     argv = [sys.executable, "-m", "workers", "--connect", endpoint]
     argv += ["--env", "zmqpool.testing:CountingEnv", "--single-process"]
@@ -83,7 +83,7 @@ def worker_process(endpoint: str, keys: Path, log: Path) -> Iterator[subprocess.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath}
     with log.open("w") as err:
-        proc = subprocess.Popen(argv, stderr=err, env=env, cwd=ROOT)
+        proc = warm.popen(argv, stderr=err, env=env, cwd=ROOT)
     try:
         yield proc
     finally:
@@ -284,7 +284,7 @@ def test_a_fake_beats_or_results_endpoint_cannot_make_the_worker_allocate(
 @contextlib.contextmanager
 def welcomed_worker(
     keys: Path, log: Path, beats: int
-) -> Iterator[tuple[FakeTrainer, subprocess.Popen]]:
+) -> Iterator[tuple[FakeTrainer, warm.WarmProcess]]:
     """A worker process welcomed by a fake trainer, heard beating ``beats`` times."""
     trainer = FakeTrainer(keys)
     try:
