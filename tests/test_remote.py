@@ -183,8 +183,9 @@ def test_a_remote_workers_env_maker_error_reaches_the_trainer(remote_host, key_d
     """The worker never registers; the trainer's error and log still say why, and whose key."""
     port = free_port_base(remote_host.pool_ip)
     worker = start_remote_worker(remote_host, port, key_dir, kwargs={"no_such_argument": 1})
-    # Its host tries 5 times (a few seconds) and gives up; the trainer waits its deadline.
-    config = PoolConfig(register_timeout_s=20.0)
+    # Its host tries 5 times (about a second, started warm) and gives up; the trainer
+    # waits its deadline.
+    config = PoolConfig(register_timeout_s=8.0)
     try:
         with (
             caplog.at_level(logging.WARNING, logger="zmqpool"),
