@@ -159,7 +159,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from zmqpool import benchenvs  # noqa: E402
+from zmqpool import benchenvs, benchfloor  # noqa: E402
 from zmqpool.argtypes import positive_int, positive_seconds  # noqa: E402
 from zmqpool.assembly import env_index_stack  # noqa: E402
 from zmqpool.benchenvs import STOP, CountingGymEnv  # noqa: E402
@@ -876,12 +876,41 @@ class ZmqFloor(BareZmqEcho):
         self.env_kwargs = env_kwargs
         super().__init__(len(env_kwargs), 0, timeout_s)
 
-    def _spawn_peer(self, peer: bytes, nbytes: int) -> subprocess.Popen:
+    def _spawn_peer(self, peer: bytes, nbytes: int) -> ForkedPeer:  # type: ignore[override]
         addrs = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in (self.router, self.pull)]
         kwargs = env_kwargs_to_json(self.env_kwargs[int(peer)])
-        keys = ",".join(self.reply_keys)
-        argv = [sys.executable, "-m", "zmqpool.benchfloor", *addrs, peer.decode(), kwargs, keys]
-        return subprocess.Popen(argv, cwd=REPO)
+        argv = [*addrs, peer.decode(), kwargs, ",".join(self.reply_keys)]
+        process = floor_peers().Process(target=benchfloor.main, args=(argv,), daemon=True)
+        process.start()
+        return ForkedPeer(process)
+
+
+def floor_peers() -> Any:
+    """Where floor peers come from: multiprocessing's fork server, which imports
+    :mod:`zmqpool.benchfloor` (torch, tensordict, torchrl) once per run and forks each
+    peer. A fresh interpreter a peer spent about 4 s of CPU on imports, and a row's
+    build as long; a peer runs the same code either way."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "zmqpool.benchfloor"])  # before it starts
+    return context
+
+
+class ForkedPeer:
+    """A floor peer's process, ended as :meth:`BareZmqEcho.close` ends a ``Popen``."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    def wait(self, timeout: float) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("floor peer", timeout)
+        return int(self.process.exitcode)
+
+    def kill(self) -> None:
+        self.process.kill()
 
 
 class PlainZmqPool(ZmqFloor):
