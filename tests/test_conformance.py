@@ -32,6 +32,7 @@ import builtins
 import dataclasses
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -300,6 +301,23 @@ def test_an_env_makers_error_is_of_the_builtin_class_it_raised(error):
     )
     assert isinstance(err, EnvMakerError) and err.env_index == 1, repr(err)
     assert str(err).startswith(f"env 1: env maker raised {error}("), str(err)
+
+
+def exiting_maker() -> ZMQCountingEnv:
+    sys.exit("the env maker gives up")
+
+
+def test_an_env_maker_that_calls_sys_exit_is_an_env_maker_error_naming_its_env():
+    # The worker died of the SystemExit, and the trainer heard only "the worker of envs
+    # [1] exited with status 1 before registering". SerialEnv would exit the trainer
+    # itself; a pool's error that names the env and the call is what a user can act on.
+    makers = [counting_makers(1)[0], exiting_maker]
+    with pytest.raises(EnvMakerError) as info:
+        ZMQAsyncEnvPool(makers, envs_per_worker=2, config=FAST)
+    assert info.value.env_index == 1 and not isinstance(info.value, SystemExit)
+    assert str(info.value).startswith("env 1: env maker raised SystemExit('the env maker"), str(
+        info.value
+    )
 
 
 def test_envs_are_built_with_the_trainers_default_dtype_as_in_process():

@@ -403,7 +403,9 @@ class EnvHost:
         torch_threads: int | None = None,
         default_dtype: str | None = None,
     ) -> EnvHost:
-        """Build every env; an env maker that raises becomes an :class:`EnvMakerError`.
+        """Build every env; an env maker that raises becomes an :class:`EnvMakerError`,
+        one that calls ``sys.exit()`` too (the worker died of it, and the trainer
+        heard only "exited with status 1 before registering").
 
         ``torch_threads``: see :func:`limit_torch_threads`; ``default_dtype``: torch's
         (one of ``DEFAULT_DTYPES``; None: float32). Both are set before any env is built.
@@ -416,7 +418,7 @@ class EnvHost:
         for index, recipe in zip(indices, recipes, strict=True):
             try:
                 envs[index] = recipe.build()
-            except Exception as err:
+            except (Exception, SystemExit) as err:
                 raise EnvMakerError(
                     index, f"env maker raised {err!r}", traceback.format_exc()
                 ) from err
