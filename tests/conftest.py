@@ -15,17 +15,13 @@ import pytest
 import torch
 import zmq
 
+from tests import warm
 from tests.netns import RemoteHost, free_port_base, make_remote_host, remove_remote_host
 from zmqpool import PoolConfig, ZMQAsyncEnvPool, keep_fork_server
 from zmqpool import cli as zmqpool_cli
 from zmqpool.security import write_keys
 from zmqpool.state import Kind
 from zmqpool.testing import CountingEnv
-
-try:
-    import warm  # the name hostile.py and the test modules use: one launcher per process
-except ModuleNotFoundError:  # imported as tests.conftest by a worker (an env maker's module)
-    from tests import warm
 
 faulthandler.enable()
 

@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import warm
 import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
@@ -755,7 +754,10 @@ class Victim:
         }
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
-        # Forked warm (tests/warm.py): a fresh interpreter's torchrl import took seconds of CPU.
+        # Forked warm: a fresh interpreter's torchrl import took seconds of CPU. (Imported
+        # here: this file runs as a script too, without the checkout on its path.)
+        from tests import warm
+
         self.proc = warm.popen(
             [sys.executable, str(HERE), "serve", json.dumps(spec)],
             stdin=subprocess.PIPE,

@@ -20,12 +20,12 @@ import time
 import msgpack
 import pytest
 import torch
-import warm
 import zmq
 from tensordict import TensorDict
 from torchrl.envs import SerialEnv
 from torchrl.envs.utils import step_mdp
 
+from tests import warm
 from tests.conftest import start_remote_worker, stop
 from tests.netns import free_port_base
 from zmqpool import EnvLostError, PoolConfig, RegistrationError, ZMQAsyncEnvPool

@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
-import warm
 from tensordict import TensorDict
 
+from tests import warm
 from tests.netns import free_port_base
 from zmqpool import EnvError, PoolConfig, ZMQAsyncEnvPool
 from zmqpool.testing import CountingEnv

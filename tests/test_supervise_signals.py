@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import warm
+
+from tests import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = 2

@@ -11,14 +11,17 @@ import sys
 import textwrap
 
 import pytest
-import warm
+
+from tests import warm
 
 PROBE = textwrap.dedent(
     """
     import json, os, signal, sys
     report = {
         "argv": sys.argv,
-        "path0": sys.path[0],
+        "path": sys.path[:2],
+        "tests_dir": [p for p in sys.path if p.endswith("tests")],
+        "main_module": sys.modules["__main__"].__dict__ is globals(),
         "cwd": os.getcwd(),
         "var": os.environ.get("WARM_PROBE"),
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -27,8 +30,10 @@ PROBE = textwrap.dedent(
         "main": __name__,
         "line": sys.stdin.readline().strip(),
     }
-    print(json.dumps(report), flush=True)
-    sys.exit(int(sys.argv[1]))
+    print(json.dumps(report))  # PYTHONUNBUFFERED: out at once, no flush
+    if len(sys.argv) > 1:
+        raise KeyboardInterrupt  # the interpreter dies of SIGINT, after a traceback
+    sys.stdin.readline()
     """
 )
 
@@ -36,9 +41,9 @@ PROBE = textwrap.dedent(
 def test_a_child_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = {"WARM_PROBE": "yes", "PATH": "/usr/bin:/bin"}
+    env = {"WARM_PROBE": "yes", "PYTHONPATH": "/no/such/dir", "PYTHONUNBUFFERED": "1"}
     proc = warm.popen(
-        [sys.executable, str(script), "3", "x"],
+        [sys.executable, str(script), "x"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -48,13 +53,30 @@ def test_a_child_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
     proc.stdin.write("hello\n")
     proc.stdin.flush()  # buffered, as Popen's
     report = json.loads(proc.stdout.readline())
-    assert proc.wait(timeout=30) == 3
-    assert report["argv"] == [str(script), "3", "x"]
-    assert report["path0"] == str(tmp_path) and report["cwd"] == "/"
-    assert report["var"] == "yes" and report["main"] == "__main__" and report["line"] == "hello"
+    assert proc.wait(timeout=30) == -signal.SIGINT
+    assert report["argv"] == [str(script), "x"] and report["cwd"] == "/"
+    # Its directory, then PYTHONPATH; not the launcher's tests/ (an env maker of a test
+    # module imported only there), and in a __main__ of its own.
+    assert report["path"] == [str(tmp_path), "/no/such/dir"] and report["tests_dir"] == []
+    assert report["var"] == "yes" and report["main"] == "__main__" and report["main_module"]
+    assert report["line"] == "hello"
     assert report["sigint_default"] and report["sigterm"] == int(signal.SIG_DFL)
     # 0-2, and the descriptor listdir itself opened: nothing of the launcher's.
     assert len(report["fds"]) == 4 and report["fds"][:3] == [0, 1, 2], report["fds"]
+
+
+def test_unbuffered_output_is_out_before_a_kill(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {"PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, str(script)]
+    proc = warm.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stdin is not None
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["line"] == "hello"  # printed, not flushed
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_its_exit_by_signal_and_its_traceback_are_its_own(tmp_path):

@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import warm
 import zmq
 from zmq.utils import z85
 
 import zmqpool
+from tests import warm
 from zmqpool.security import ClientKeys, ServerKeys, make_server
 from zmqpool.wire import Command, Header
 

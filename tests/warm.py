@@ -38,6 +38,7 @@ end of file the launcher exits, and its children die with it
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import ctypes
 import io
@@ -49,6 +50,7 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -134,8 +136,8 @@ def _stdio(unbuffered: bool) -> None:
 
     def writer(fd: int, **kwargs: Any) -> io.TextIOWrapper:
         raw = io.FileIO(fd, "w", closefd=False)
-        buffered = io.BufferedWriter(raw)
-        return io.TextIOWrapper(buffered, encoding="utf-8", write_through=unbuffered, **kwargs)
+        binary = raw if unbuffered else io.BufferedWriter(raw)  # -u: nothing held back
+        return io.TextIOWrapper(binary, encoding="utf-8", write_through=unbuffered, **kwargs)
 
     reader = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), "utf-8")
     sys.stdin = sys.__stdin__ = reader
@@ -162,28 +164,56 @@ def become(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     _stdio(unbuffered=bool(request["env"].get("PYTHONUNBUFFERED")))
-    _run(request)
+    _reseed()
+    try:
+        _run(request)
+    except KeyboardInterrupt:  # as the interpreter: a traceback, atexit, then die of SIGINT
+        traceback.print_exc()
+        atexit._run_exitfuncs()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _reseed() -> None:
+    """Generators of their own, as fresh interpreters have (``random`` reseeds at fork)."""
+    import numpy
+    import torch
+
+    numpy.random.seed()
+    torch.seed()
 
 
 def _run(request: dict[str, Any]) -> None:
+    """Run the module or script in a new ``__main__``, with the path a fresh start has:
+    its directory (the working one for ``-m``), the request's ``PYTHONPATH``, then the
+    launcher's own (its first entry, the checkout, left out)."""
     import runpy
+    import types
 
-    if request.get("module"):
+    module = request.get("module")
+    first = os.getcwd() if module else str(Path(request["path"]).resolve().parent)
+    pythonpath = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *pythonpath, *(p for p in sys.path[1:] if p not in pythonpath)]
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    if module:
         sys.argv = ["-m", *request["argv"]]  # runpy puts the module's path in argv[0]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    else:
-        path = request["path"]
-        sys.argv = [path, *request["argv"]]
-        sys.path[0] = str(Path(path).resolve().parent)
-        runpy.run_path(path, run_name="__main__")
+        runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+        return
+    path = request["path"]
+    sys.argv = [path, *request["argv"]]
+    main.__file__ = path
+    main.__cached__ = None  # type: ignore[attr-defined]
+    exec(compile(Path(path).read_bytes(), path, "exec"), main.__dict__)
 
 
 def main() -> None:
-    parent = int(sys.argv[2])
+    fd, parent, package_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
+    # The checkout, not tests/: the test process imports zmqpool from the one it runs in.
+    sys.path[0] = str(ROOT)
     # The point of this process: import once, fork many times (as workers.zygote does).
     import msgpack  # noqa: F401
     import numpy  # noqa: F401
@@ -195,9 +225,12 @@ def main() -> None:
     import workers.cli
     import workers.loop  # noqa: F401
     import zmqpool
-    import zmqpool.pool  # noqa: F401
+    import zmqpool.pool
 
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    ours = str(Path(zmqpool.__file__).resolve().parent)
+    if ours != package_dir:  # children would run other code than the tests import
+        sys.exit(f"tests/warm.py: the launcher imports {ours}, the test process {package_dir}")
+    sock = socket.socket(fileno=fd)
     try:
         serve(sock)
     except _Become as child:
@@ -238,7 +271,7 @@ class WarmProcess:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.returncode is None:  # as Popen: a reaped pid may be someone else's now
+        if self.poll() is None:  # as Popen: a reaped pid may be someone else's now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
 
@@ -278,8 +311,11 @@ class Launcher:
     """The test process's end of a launcher: sends requests, collects the children's exits."""
 
     def __init__(self, ready_timeout_s: float = 180.0) -> None:
+        import zmqpool
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, str(HERE), str(theirs.fileno()), str(os.getpid())]
+        package_dir = str(Path(zmqpool.__file__).resolve().parent)
+        argv = [sys.executable, str(HERE), str(theirs.fileno()), str(os.getpid()), package_dir]
         self._proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], cwd=ROOT)
         theirs.close()
         self._sock = ours
@@ -308,6 +344,7 @@ class Launcher:
                 message = json.loads(data)
                 if "spawned" in message:
                     self._spawned.append(message["spawned"])
+                    self._exits.pop(message["spawned"], None)  # an earlier child's, pid reused
                 else:
                     self._exits[message["exited"]] = message["code"]
                 self._changed.notify_all()
@@ -353,8 +390,6 @@ def launcher() -> Launcher:
     global _launcher
     with _launcher_lock:
         if _launcher is None:
-            import atexit
-
             _launcher = Launcher()
             atexit.register(_launcher.close)
         return _launcher
