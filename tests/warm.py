@@ -14,12 +14,17 @@ itself: :func:`popen` returns a :class:`WarmProcess`, which has the parts of
 The child becomes what ``python -m MODULE ARGS`` or ``python SCRIPT ARGS``
 would be, but warm: the environment and working directory of the request, its
 own stdin, stdout and stderr (passed as file descriptors over a Unix socket),
-no other inherited descriptor, ``sys.argv`` and ``sys.path[0]`` as the
-interpreter sets them, SIGINT as Python's default, optionally a new session
-and another network namespace (``setns``, what ``ip netns exec`` does for the
-network), and it exits as the interpreter would (``atexit`` handlers run; an
-uncaught exception prints its traceback and exits 1). Interpreter flags
-cannot change after start-up: ``PYTHONUNBUFFERED`` in the request's
+no other inherited descriptor, ``sys.argv`` as the interpreter sets it, a
+path of its directory (the working one for ``-m``), the request's
+``PYTHONPATH`` and the launcher's site (never ``tests/``), a ``__main__`` of
+its own, generators of its own, SIGINT as Python's default, optionally a new
+session and another network namespace (``setns``, what ``ip netns exec``
+does for the network), and it exits as the interpreter would (``atexit``
+handlers run; an uncaught exception prints its traceback and exits 1, a
+``KeyboardInterrupt`` dies of SIGINT). What its imports ran at the launcher's
+start stays: the launcher imports the checkout the test process imports, and
+refuses to start otherwise, so a child runs the code under test. Interpreter
+flags cannot change after start-up: ``PYTHONUNBUFFERED`` in the request's
 environment is honoured by reopening stdout and stderr unbuffered, others are
 the launcher's. A test of how a fresh interpreter starts (the command lines,
 ``--help``, import errors) still runs one.
