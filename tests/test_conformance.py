@@ -303,19 +303,28 @@ def test_an_env_makers_error_is_of_the_builtin_class_it_raised(error):
     assert str(err).startswith(f"env 1: env maker raised {error}("), str(err)
 
 
-def exiting_maker() -> ZMQCountingEnv:
-    sys.exit("the env maker gives up")
+class StopBuilding(BaseException):
+    """A BaseException of an env maker's own."""
 
 
-def test_an_env_maker_that_calls_sys_exit_is_an_env_maker_error_naming_its_env():
-    # The worker died of the SystemExit, and the trainer heard only "the worker of envs
-    # [1] exited with status 1 before registering". SerialEnv would exit the trainer
-    # itself; a pool's error that names the env and the call is what a user can act on.
-    makers = [counting_makers(1)[0], exiting_maker]
+def exiting_maker(how: str) -> ZMQCountingEnv:
+    if how == "exit":
+        sys.exit("the env maker gives up")
+    raise StopBuilding("the env maker gives up")
+
+
+@pytest.mark.parametrize("how", ["exit", "BaseException"])
+def test_an_env_maker_that_calls_sys_exit_is_an_env_maker_error_naming_its_env(how):
+    # The worker died of the SystemExit (or BaseException), and the trainer heard only
+    # "the worker of envs [0, 1] exited with status 1 before registering". SerialEnv would
+    # exit the trainer itself; an error that names the env and the call is what a user
+    # can act on.
+    makers = [counting_makers(1)[0], functools.partial(exiting_maker, how)]
     with pytest.raises(EnvMakerError) as info:
         ZMQAsyncEnvPool(makers, envs_per_worker=2, config=FAST)
     assert info.value.env_index == 1 and not isinstance(info.value, SystemExit)
-    assert str(info.value).startswith("env 1: env maker raised SystemExit('the env maker"), str(
+    raised = "SystemExit" if how == "exit" else "StopBuilding"
+    assert str(info.value).startswith(f"env 1: env maker raised {raised}('the env maker"), str(
         info.value
     )
 

@@ -228,7 +228,8 @@ def test_a_random_pool_process_killed_every_100_steps_answers_each_request_once(
 class FatalEnv(CountingEnv):
     """A CountingEnv whose step raises what its action asks for.
 
-    ``0.9``: ``SystemExit``; ``0.8``: ``KeyboardInterrupt``; ``0.7``: an
+    ``0.9``: ``SystemExit``; ``0.8``: ``KeyboardInterrupt``; ``0.6``: the process
+    exits (``os._exit``); ``0.7``: an
     exception whose ``repr`` raises too; ``0.5``: a step of a second (still in
     flight when its neighbour's thread dies). Any other action: a normal step.
     """
@@ -239,6 +240,8 @@ class FatalEnv(CountingEnv):
             raise SystemExit(0)
         if action == 0.8:
             raise KeyboardInterrupt
+        if action == 0.6:
+            os._exit(1)
         if action == 0.7:
             raise UnprintableError("the env failed")
         if action == 0.5:
@@ -248,14 +251,14 @@ class FatalEnv(CountingEnv):
 
 def test_a_cheap_env_stepped_inline_that_ends_its_worker_restarts_it_with_truncations():
     """With env threads, envs judged cheap step in the worker's main thread
-    (workers.inline): env code's SystemExit there ends the worker as in any
+    (workers.inline): env code's KeyboardInterrupt there ends the worker as in any
     inline worker, and the pool restarts it, answering both envs with truncations."""
     pool = two_fatal_envs(QUICK)
     try:
         pool.reset()
         for _ in range(4):  # enough to judge both cheap
             step(pool, [0.1, 0.1])
-        out = step(pool, [0.9, 0.1])
+        out = step(pool, [0.8, 0.1])
         assert pool.last_restarted_envs == [0, 1] and out["next", "truncated"].all()
         assert restarts(pool) == [1, 1]
         # A recv that raises returns no result, so none from a restart (it kept the last's).
@@ -296,7 +299,7 @@ def step(pool, values: list[float]) -> TensorDictBase:
 
 
 def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations():
-    """SystemExit / KeyboardInterrupt in one env's thread (2 envs, one worker, env threads).
+    """KeyboardInterrupt in one env's thread (2 envs, one worker, env threads).
 
     The thread dies; the worker exits (code ENV_THREAD_DIED) instead of
     leaving the request unanswered forever; the pool restarts it and answers
@@ -304,26 +307,53 @@ def test_an_env_thread_killed_by_env_code_restarts_its_worker_with_truncations()
     raises is still an EnvError for its env, not a dead thread.
     """
     # Every env in its thread: one judged cheap would step inline (workers.inline),
-    # where the same SystemExit ends the worker as any inline crash does.
+    # where the same KeyboardInterrupt ends the worker as any inline crash does.
     threaded = dataclasses.replace(QUICK, inline_cheap_envs=False)
     pool = two_fatal_envs(threaded)
     try:
         pool.reset()
         assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
-        for round_, fatal in enumerate([0.9, 0.8], start=1):
-            out = step(pool, [fatal, 0.5])
-            assert pool.last_restarted_envs == [0, 1]
-            assert out["next", "truncated"].all() and not out["next", "terminated"].any()
-            assert restarts(pool) == [round_, round_]
-            cause = env_stats(pool)[0]["last_restart_cause"]
-            assert cause.startswith(f"exited with code {ENV_THREAD_DIED}: an env thread died")
-            assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
+        out = step(pool, [0.8, 0.5])
+        assert pool.last_restarted_envs == [0, 1]
+        assert out["next", "truncated"].all() and not out["next", "terminated"].any()
+        assert restarts(pool) == [1, 1]
+        cause = env_stats(pool)[0]["last_restart_cause"]
+        assert cause.startswith(f"exited with code {ENV_THREAD_DIED}: an env thread died")
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [1.0, 1.0]
         pool.async_step_send(TensorDict({"action": torch.tensor([[0.7]])}, [1]), env_index=[0])
         with pytest.raises(EnvError, match="UnprintableError: its repr\\(\\) raised") as info:
             pool.async_step_recv(min_get=1, timeout=30)
         assert info.value.env_index == 0
         assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [2.0, 2.0]
-        assert restarts(pool) == [2, 2]
+        assert restarts(pool) == [1, 1]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["env-threads", "inline"])
+def test_an_envs_sys_exit_is_its_error_and_its_neighbour_keeps_its_result(inline):
+    """A SystemExit env code raises is that env's error (helper audit): it ended the
+    worker, and the other env of the worker lost its result to a restart's truncation."""
+    config = QUICK if inline else dataclasses.replace(QUICK, inline_cheap_envs=False)
+    pool = two_fatal_envs(config)
+    try:
+        pool.reset()
+        for _ in range(4):  # inline: enough to judge both cheap
+            step(pool, [0.1, 0.1])
+        pool.async_step_send(
+            TensorDict({"action": torch.tensor([[0.9], [0.1]])}, [2]), env_index=[0, 1]
+        )
+        results, errors = [], []
+        while len(results) + len(errors) < 2:
+            try:
+                out = pool.async_step_recv(min_get=1, timeout=30)
+                results += out["next", "observation"][:, 0].tolist()  # the env_id
+            except EnvError as err:
+                errors.append(err)
+        assert results == [1.0] and [e.env_index for e in errors] == [0]
+        assert "SystemExit(0)" in str(errors[0]) and not isinstance(errors[0], SystemExit)
+        assert restarts(pool) == [0, 0] and pool.last_restarted_envs == []
+        assert step(pool, [0.1, 0.1])["next", "observation"][:, 1].tolist() == [5.0, 6.0]
     finally:
         pool.close()
 
@@ -386,7 +416,7 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
         sync_step(pool, [0.1, 0.1])
         if cut_short_by == "another env's error":
             with pytest.raises(EnvError, match="env 1"):
-                sync_step(pool, [0.9, 0.7])
+                sync_step(pool, [0.6, 0.7])
         else:  # env 1 steps for a second: the Ctrl-C comes while the call waits for it
             if cut_short_by == "the caller's handler":
                 signal.signal(signal.SIGINT, _stop)
@@ -394,7 +424,7 @@ def test_a_restart_truncation_dropped_with_a_failed_sync_call_answers_the_next_s
             ctrl_c.start()
             try:
                 with pytest.raises((KeyboardInterrupt, _Stop)) as info:
-                    sync_step(pool, [0.9, 0.5], mask=cut_short_by.endswith("masked step"))
+                    sync_step(pool, [0.6, 0.5], mask=cut_short_by.endswith("masked step"))
                 expected = _Stop if cut_short_by == "the caller's handler" else KeyboardInterrupt
                 assert info.type is expected
             finally:

@@ -8,7 +8,6 @@ reset's keywords, a seed), and returns the tensordict parts of the reply.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import os
@@ -404,8 +403,9 @@ class EnvHost:
         default_dtype: str | None = None,
     ) -> EnvHost:
         """Build every env; an env maker that raises becomes an :class:`EnvMakerError`,
-        one that calls ``sys.exit()`` too (the worker died of it, and the trainer
-        heard only "exited with status 1 before registering").
+        one that calls ``sys.exit()`` or raises another ``BaseException`` too (the
+        worker died of it, and the trainer heard only "exited with status 1 before
+        registering"); not a ``KeyboardInterrupt`` (a remote worker's Ctrl-C).
 
         ``torch_threads``: see :func:`limit_torch_threads`; ``default_dtype``: torch's
         (one of ``DEFAULT_DTYPES``; None: float32). Both are set before any env is built.
@@ -418,7 +418,9 @@ class EnvHost:
         for index, recipe in zip(indices, recipes, strict=True):
             try:
                 envs[index] = recipe.build()
-            except (Exception, SystemExit) as err:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:
                 raise EnvMakerError(
                     index, f"env maker raised {err!r}", traceback.format_exc()
                 ) from err
@@ -435,9 +437,14 @@ class EnvHost:
 
     def close(self) -> None:
         for env in self.envs.values():
-            # Closing is best effort: the process is about to exit.
-            with contextlib.suppress(Exception):
+            # Best effort: the process is about to exit. A close that calls sys.exit() too:
+            # its traceback showed at the pool's close().
+            try:
                 env.close()
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                pass
 
 
 #: Environment variable: torch threads per worker process (0: torch's default).

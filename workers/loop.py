@@ -862,14 +862,23 @@ class Worker:
         """Run one command on its env and send the reply (from an env thread, maybe)."""
         self._reply(header, *self._outcome(header, td))
 
-    def _outcome(self, header: Header, td: Any) -> tuple[Any, Exception | None]:
-        """Run one command on its env: its output, or the error it raised."""
+    def _outcome(self, header: Header, td: Any) -> tuple[Any, BaseException | None]:
+        """Run one command on its env: its output, or the error it raised.
+
+        A ``SystemExit`` or another ``BaseException`` the env raised is its error
+        too: the process is intact, and ending it (as they did) cost the other envs
+        of the worker their results. Not a ``KeyboardInterrupt``: a remote worker's
+        Ctrl-C must stop it (a local worker ignores SIGINT; there it is env code's,
+        and ends the worker as an exit would).
+        """
         try:
             return self.host.run(header.command, header.env, td, header.body), None
-        except Exception as err:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:
             return None, err
 
-    def _reply(self, header: Header, out: Any, err: Exception | None) -> None:
+    def _reply(self, header: Header, out: Any, err: BaseException | None) -> None:
         """Send a command's reply: its env's output, or the error the env raised."""
         if err is not None:
             self._send(self._error_reply(header, err))
@@ -950,7 +959,9 @@ class Worker:
             reply = pieced_message(reply, next(iter(self.host.envs)), self.token, piece)
         send_frames(self.push, reply)
 
-    def _error_reply(self, header: Header, err: Exception, what: str | None = None) -> list[Any]:
+    def _error_reply(
+        self, header: Header, err: BaseException, what: str | None = None
+    ) -> list[Any]:
         malformed = isinstance(err, ProtocolError)
         what = what or ("malformed command" if malformed else "env raised")
         text = _safe_repr(err)
@@ -1021,7 +1032,7 @@ class Worker:
         The pool sees the exit (its pidfd, or the missing heartbeats of a
         remote worker), restarts the worker and answers every request in
         flight with a restart truncation: the outcome of the same
-        ``SystemExit`` in an env stepped inline. Exit code
+        ``KeyboardInterrupt`` in an env stepped inline. Exit code
         :data:`~zmqpool.launcher.ENV_THREAD_DIED`.
         """
         if self._stop.is_set():

@@ -13,11 +13,11 @@ runs commands inline. So do envs whose steps are short and never wait, once
 judged so (:mod:`workers.inline`): a runner says when it is idle, so that an
 env steps inline only after everything given to its thread has run.
 
-A job answers its command itself, env exceptions included. Anything that
-escapes it (a ``SystemExit`` or ``KeyboardInterrupt`` raised by env code, or a
-reply that could not be sent) ends the thread, and with it every later
+A job answers its command itself, env exceptions included (a ``SystemExit``
+too). Anything that escapes it (a ``KeyboardInterrupt`` raised by env code, or
+a reply that could not be sent) ends the thread, and with it every later
 command of that env: the runner hands it to ``on_death``, and the worker ends
-the process, as the same ``SystemExit`` would have inline, so the pool
+the process, as the same ``KeyboardInterrupt`` would have inline, so the pool
 restarts it and answers what was in flight.
 """
 
