@@ -87,14 +87,10 @@ def _die_with_parent() -> None:
 
 
 def _reap(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+    from workers.zygote import reaped  # as the pool's fork server reaps its children
+
+    for pid, code in reaped():
+        _send(sock, {"exited": pid, "code": code})
 
 
 def serve(sock: socket.socket) -> None:

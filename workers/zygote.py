@@ -49,6 +49,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 
 from zmqpool.launcher import EXITED, READY, REPORT, SPAWNED  # shared with the pool
 
@@ -64,7 +65,8 @@ def _read_exact(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _reap(report_fd: int) -> None:
+def reaped() -> Iterator[tuple[int, int]]:
+    """(pid, exit code) of each child that has ended, without waiting (negative: a signal)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -72,7 +74,12 @@ def _reap(report_fd: int) -> None:
             return
         if pid == 0:
             return
-        os.write(report_fd, REPORT.pack(EXITED, pid, os.waitstatus_to_exitcode(status)))
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def _reap(report_fd: int) -> None:
+    for pid, code in reaped():
+        os.write(report_fd, REPORT.pack(EXITED, pid, code))
 
 
 def _child(request: dict, report_fd: int) -> None:
