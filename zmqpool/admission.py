@@ -300,12 +300,12 @@ class Registrar:
         """Whether a REGISTER that found no room should wait for a live worker's silence.
 
         When live remote workers hold slots it may take (any key's: a host died
-        and another took over), or its key's live worker holds as many over the
-        quota; for at most two heartbeat timeouts from its first try: by then a
-        worker it replaces has been found silent; those still live are others,
-        and the newcomer is refused "no room".
+        and another took over; its own key's over the quota too, whose slots it
+        may take); for at most two heartbeat timeouts from its first try: by
+        then a worker it replaces has been found silent; those still live are
+        others, and the newcomer is refused "no room".
         """
-        if not (self.roster.held_live(key, count) or self.roster.held_by_live(key, count)):
+        if not self.roster.held_by_live(key, count):
             return False
         now = time.monotonic()
         if len(self._waiting_since) > _MAX_WAITING and identity not in self._waiting_since:
