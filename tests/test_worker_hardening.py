@@ -479,6 +479,7 @@ def test_secret_key_files_others_may_read_are_refused(keys, tmp_path, mode):
 def test_the_worker_command_refuses_a_secret_others_may_read(keys, tmp_path):
     """``python -m workers --client-key`` names the file and the fix, and starts nothing."""
     from workers import cli as worker_cli
+    from workers import serving
 
     secret = tmp_path / "worker.key_secret"
     secret.write_bytes((keys / "workers" / "worker-0.key_secret").read_bytes())
@@ -486,5 +487,5 @@ def test_the_worker_command_refuses_a_secret_others_may_read(keys, tmp_path):
     argv = ["--connect", "tcp://127.0.0.1:9", "--env", "x:y", "--client-key", str(secret)]
     args = worker_cli.build_parser().parse_args([*argv, "--server-key", str(keys / "server.key")])
     with pytest.raises(SystemExit) as caught:
-        worker_cli._client_keys(args)
+        serving._client_keys(args)
     assert f"chmod 600 {secret}" in str(caught.value.code)

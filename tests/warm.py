@@ -224,7 +224,7 @@ def main() -> None:
     import zmq  # noqa: F401
 
     import workers.cli
-    import workers.loop  # noqa: F401
+    import workers.serving  # noqa: F401
     import zmqpool
     import zmqpool.pool
 

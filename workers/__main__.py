@@ -6,7 +6,7 @@ import sys
 
 
 def _main() -> int:
-    """``workers.cli.main``, its import included: it imports torch, seconds a Ctrl-C may hit."""
+    """``workers.cli.main``, its import included: a Ctrl-C may land anywhere, even there."""
     try:
         from workers.cli import main
 

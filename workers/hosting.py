@@ -22,6 +22,7 @@ from tensordict import NonTensorData, TensorDict, TensorDictBase
 from torchrl.data import Composite
 from torchrl.envs import EnvBase
 
+from workers.defaults import WORKER_THREADS_VAR
 from zmqpool.codec import leaf_state
 from zmqpool.errors import EnvMakerError, ProtocolError
 from zmqpool.wire import NEXT_SEED, RESEED, Command
@@ -445,14 +446,6 @@ class EnvHost:
                 raise
             except BaseException:
                 pass
-
-
-#: Environment variable: torch threads per worker process (0: torch's default).
-WORKER_THREADS_VAR = "ZMQPOOL_WORKER_THREADS"
-
-
-#: What ``torch.set_default_dtype`` takes: a worker's ``--default-dtype`` choices.
-DEFAULT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def limit_torch_threads(threads: int | None = None) -> None:

@@ -78,6 +78,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from workers.defaults import REGISTER_TIMEOUT_S
 from workers.hosting import EnvHost
 from workers.inline import PROBE_WAIT_S, SHORT_WAIT_S, InlineJudge, StepTimes
 from workers.replies import ReplyQueue
@@ -175,14 +176,6 @@ _FAILED_CONNECT_WAIT_MS = 2000
 #: queues for it): a beat comes per heartbeat interval, so more are a flood.
 _BEATS_PER_CHECK = 64
 
-#: How long a worker waits for its pool's WELCOME (sending REGISTER again with
-#: backoff) before it gives up: the default of :class:`Worker` and of ``python -m
-#: workers``'s local workers, and as long as a pool waits for its envs by default
-#: (``PoolConfig.register_timeout_s``). A remote worker started with ``--env``
-#: waits forever unless given ``--register-timeout``. Every other timing the
-#: worker shares with its pool comes in the WELCOME (:class:`~zmqpool.protocol.Welcome`).
-REGISTER_TIMEOUT_S = 120.0
-
 
 class Worker:
     """One worker process's connection to its pool.
@@ -232,7 +225,7 @@ class Worker:
         self.context = zmq.Context()
         #: The largest frame a command may carry (TCP; unbounded over ipc): the
         #: DEALER's ``MAXMSGSIZE`` and its decoder's ``max_frame_bytes``. From the
-        #: envs' specs, so build the envs before the worker (``workers.cli.serve``).
+        #: envs' specs, so build the envs before the worker (``workers.serving.serve``).
         self.frame_limit = command_frame_limit(host, router)
         self.dealer, self._dealer_watch = self._open_dealer()
         self.push: zmq.Socket | None = None

@@ -135,7 +135,7 @@ def main() -> None:
     import torchrl.envs  # noqa: F401
     import zmq  # noqa: F401
 
-    import workers.loop  # noqa: F401
+    import workers.serving  # noqa: F401  (what a child's workers.cli.run imports)
     from workers.supervise import die_with_parent
 
     die_with_parent(int(sys.argv[1]))

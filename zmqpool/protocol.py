@@ -63,7 +63,7 @@ The WELCOME carries every timing the worker shares with its pool: the
 worker judges the pool lost after ``heartbeat_liveness`` missed PINGs of
 ``heartbeat_interval_s`` each, the pool's own ``PoolConfig`` values. What is
 only the worker's (how long it waits to register) is its own default,
-:data:`workers.loop.REGISTER_TIMEOUT_S`.
+:data:`workers.defaults.REGISTER_TIMEOUT_S`.
 
 Versions. These bodies are those of :data:`zmqpool.wire.PROTOCOL_VERSION`.
 Every message carries the version in its header, and a peer of another
