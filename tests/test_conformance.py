@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tensordict import NonTensorStack, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.data import NonTensor
 from torchrl.envs import AsyncEnvPool, Compose, RewardSum, SerialEnv, StepCounter, TransformedEnv
@@ -638,6 +638,18 @@ class TestCountingPool:
         assert_same_td(o, z, "async_step_send(env_index=numpy [2, 0]) then recv(min_get=2)")
         assert [type(i) for i in env_index_values(z)] == [int, int]
 
+    def test_async_step_takes_a_set_of_env_indices_in_its_order(self, pair):
+        indices = {2, 0}
+
+        def run(p):
+            r = p.reset()[list(indices)]  # the rows in the set's order, as torchrl pairs them
+            r["action"] = torch.tensor([[1], [0]], dtype=torch.int8)
+            p.async_step_send(r, env_index=indices)
+            return p.async_step_recv(min_get=2, timeout=RECV_TIMEOUT)
+
+        o, z = pair.both(run)
+        assert_same_td(o, z, "async_step_send(env_index={2, 0}) then recv(min_get=2)")
+
     def test_async_reset_of_a_subset_without_a_tensordict(self, pair):
         def run(p):
             p.async_reset_send(env_index=[1, 2])
@@ -810,6 +822,16 @@ class TestCountingPool:
         )
         assert isinstance(error, IndexError), type(error).__mro__
         assert str(error).startswith(f"env index {bad} is out of range for a pool of {N} envs")
+
+    @pytest.mark.parametrize("bad", ["a", 2.5])
+    def test_a_recv_on_an_env_index_not_an_integer_is_a_keyerror_as_torchrl(self, pair, bad):
+        # torchrl's pool looks the env's future up: KeyError. Ours was a TypeError alone.
+        error = assert_same_error(
+            lambda: pair.oracle.async_reset_recv(env_index=bad),
+            lambda: pair.zmq.async_reset_recv(env_index=bad),
+        )
+        assert isinstance(error, TypeError), type(error).__mro__
+        assert str(error).startswith("env ind"), str(error)
 
     # ------------------------------------------------------------ inputs that can never work
 
@@ -1400,6 +1422,26 @@ class SameCallsOnBoth:
             return p.step(with_ones(p, td))["next"]
 
         self.same_as_serial_env(pair.zmq, run, f"reset() with a {selected} '_reset' mask")
+
+    @pytest.mark.parametrize("layout", ["dense", "lazy"])
+    def test_a_reset_mask_treats_a_key_the_envs_lack_as_serial_env(self, pair, layout):
+        # EnvBase.reset (SerialEnv's, and this pool's with a mask) merges the reset rows
+        # with where(..., pad=0): a key of the input that the reset does not produce is
+        # zero in those rows of a dense input, and keeps its values in a lazy stack's
+        # (tensordict's where). torchrl's pool keeps them in both (README).
+        def run(p):
+            td = step_mdp(p.step(with_ones(p, p.reset())))
+            td = td.contiguous() if layout == "dense" else LazyStackedTensorDict(*td.unbind(0))
+            n = td.shape[0]
+            td["extra"] = torch.arange(1.0, n + 1).reshape(n, *[1] * (td.ndim - 1)).expand(td.shape)
+            rows = torch.tensor([False] * (n - 1) + [True])
+            td["_reset"] = rows.reshape(n, *[1] * td.ndim).expand(*td.shape, 1).clone()
+            return p.reset(td)
+
+        reset = self.same_as_serial_env(pair.zmq, run, f"reset() of a {layout} input with a mask")
+        if reset is not None and layout == "dense":  # the reset row's are zeros, the others kept
+            extra = reset["extra"].reshape(reset.shape[0], -1)
+            assert not extra[-1].any() and extra[:-1].all(), extra
 
     def test_a_transformed_env_resets_only_the_envs_that_are_done(self, pair):
         # TransformedEnv's maybe_reset resets through the pool's _reset with a mask.

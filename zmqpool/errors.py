@@ -37,6 +37,8 @@ argument::
 
     ChannelIndexError (IndexError, KeyError)
                                          a bad argument: a recv's env_index out of range
+    ChannelIndexTypeError (TypeError, KeyError)
+                                         a bad argument: a recv's env_index not an integer
 """
 
 from __future__ import annotations
@@ -306,6 +308,16 @@ class ChannelIndexError(IndexError, KeyError):
 
     An ``IndexError``, as every env index out of range is; and a ``KeyError``,
     which torchrl's pool raises there (it looks the env's future up).
+    """
+
+    __str__ = BaseException.__str__
+
+
+class ChannelIndexTypeError(TypeError, KeyError):
+    """A recv on an env's own channel whose ``env_index`` is not an integer: a bad argument.
+
+    A ``TypeError``, as every env index that is not an integer is; and a
+    ``KeyError``, which torchrl's pool raises there (no env's future has that key).
     """
 
     __str__ = BaseException.__str__

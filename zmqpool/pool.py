@@ -40,6 +40,7 @@ from zmqpool.errors import (
     BackendError,
     BatchSizeMismatchError,
     ChannelIndexError,
+    ChannelIndexTypeError,
     EnvBusyError,
     EnvError,
     EnvLostError,
@@ -836,11 +837,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         return replies
 
     def _channel_index(self, env_index: Any) -> int:
-        """The env whose own channel a recv reads; out of range: ``ChannelIndexError``."""
+        """The env whose own channel a recv reads; out of range: ``ChannelIndexError``; not an
+        integer: ``ChannelIndexTypeError`` (each also the ``KeyError`` of torchrl's pool)."""
         try:
             return self._indexer.one(env_index)
         except IndexError as err:
             raise ChannelIndexError(str(err)) from None
+        except TypeError as err:
+            raise ChannelIndexTypeError(str(err)) from None
 
     def _note_restarted(self, replies: list[Reply]) -> list[Reply]:
         # Into the instance dict: what EnvBase's and nn.Module's __setattr__ end up doing

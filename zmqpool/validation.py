@@ -86,7 +86,8 @@ def env_index_arg(env_index: Any, num_envs: int) -> int | list[int] | None:
 
     An integer of any kind names one env (Python's, numpy's, a 0-d integer
     tensor or array); a sequence of them, a 1-d integer numpy array or tensor,
-    several. A negative index counts from the end, as a Python list's does
+    several (a set, in its iteration order, as torchrl's pool reads it). A
+    negative index counts from the end, as a Python list's does
     (``-1`` is env ``N-1``), and is returned as that env's index: results,
     busy envs and an env's own channel know each env by one number.
     Refused, naming what is wrong: ``TypeError`` for anything not integers (a
@@ -153,7 +154,8 @@ def _index_items(value: Any) -> list[Any]:
     sequence = type(value) is list or (  # type() first: an ABC's isinstance runs Python code
         not isinstance(value, (str, bytes)) and isinstance(value, Sequence)
     )
-    if not sequence:
+    # A set too, in its iteration order, as torchrl's pool pairs it with the rows.
+    if not sequence and not isinstance(value, (set, frozenset)):
         raise TypeError(f"env indices must be an int or a list of ints, got {value!r}")
     return list(value)
 
