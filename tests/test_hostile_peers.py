@@ -15,6 +15,11 @@ local env whose steps must keep coming back:
   13-22 s under 40 a second;
 - small malformed REGISTERs as fast as a key can send them, each checked,
   refused and logged.
+
+And of session 61's: 4 KiB headers of 4,000 empty arrays, as fast as a key
+can send them: unpacked at once (each array set off the cyclic collector's
+walks of torch's objects), 200 steps of a local env took 21 s (HEARTBEATs on
+the control port) and 28 s (RESULTs on the results port) instead of 0.1 s.
 """
 
 from __future__ import annotations
@@ -238,3 +243,59 @@ def test_a_key_gets_a_bounded_number_of_registrations_read(tmp_path, key_dir, co
         assert "REGISTERs from one key beyond its rate" in victim.log()
     assert answered(rounds) == 50
     assert 0 < len(refusals) <= REGISTER_BURST + REGISTERS_PER_S * elapsed, (len(refusals), elapsed)
+
+
+def empty_arrays_header(hello, command: str, size: int = 4096) -> bytes:
+    """A ``size``-byte header of ``command`` whose body holds one list of empty arrays."""
+    start = msgpack.packb([hello.version, hello.commands[command], 0, 0, b"t" * 16, []])
+    start = b"\x97" + start[1:] + b"\x81\xa1j\xdd"  # 7 fields; a body {"j": [...]}
+    count = size - len(start) - 4
+    return start + count.to_bytes(4, "big") + b"\x90" * count
+
+
+@pytest.mark.parametrize(
+    ("port_offset", "command", "kind"),
+    [(0, "HEARTBEAT", zmq.DEALER), (1, "RESULT", zmq.PUSH)],
+    ids=["control", "results"],
+)
+def test_small_headers_of_empty_arrays_from_a_key_are_not_unpacked(
+    tmp_path, key_dir, context, port_offset, command, kind
+):
+    """From a key holding no env, for as long as 200 steps of a local env take: 0.1 s without.
+
+    The remote side peeks a header over 256 bytes and checks its sender (results),
+    or its key's byte budget (control: a HEARTBEAT is under 64 bytes), first.
+    """
+    port = free_port_base(HOST)
+    with remote_victim(tmp_path, key_dir, port, remote_envs=0, local=[{"env_id": 0}]) as victim:
+        victim.wait("constructed", timeout_s=60)
+        frame = empty_arrays_header(victim.hello, command)
+        sock = context.socket(kind)
+        sock.linger = 0
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(key_dir, 1)
+        sock.connect(f"tcp://{HOST}:{port + port_offset}")
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:  # the pool's queue for us is full: it is reading
+                    stop.wait(0.0005)
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            stop.wait(1.0)  # the flood under way, queues full
+            started = time.monotonic()
+            rounds = steps_of_env_0(victim, rounds=200, timeout_s=30, within_s=120)
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            thread.join(5)
+            sock.close(0)
+        log = victim.log()
+    assert answered(rounds) == 200
+    reason = {0: "a large control message that is not a registration", 1: "wrong token for env"}
+    assert reason[port_offset] in log  # the flood reached the pool, and was turned away so
+    assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"

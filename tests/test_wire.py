@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import msgpack
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from zmqpool.wire import (
     command_rows,
     encode_message,
     joined_messages,
+    peek_command,
+    peek_sender,
     pieced_message,
     results_rows,
     split_batch,
@@ -605,3 +609,28 @@ def test_a_header_msgpack_cannot_pack_is_a_protocol_error(body):
     from msgpack escaped it and left the request in flight, unsent (seeding audit)."""
     with pytest.raises(ProtocolError, match="cannot be packed"):
         check_header_room([], body)
+
+
+@pytest.mark.parametrize("peek", [peek_command, peek_sender])
+def test_peeking_a_header_builds_none_of_a_peers_containers(peek):
+    """A 256 KiB header whose first field is 262,000 empty arrays, RESULT's command after.
+
+    Peeked whole, before any budget or sender check, it cost the trainer 161-478 ms
+    (10 a second from one key: 200 local steps did not end within 170 s). A peek
+    reads scalars only: an array or a map where one belongs is not a header.
+    """
+    count = (256 << 10) - 300
+    bomb = b"\x97\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+    bomb += msgpack.packb(int(Command.RESULT)) + b"\x00\x00\xc4\x00\x90\xc0"
+    tracemalloc.start()
+    try:
+        peeked = peek(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peeked is None
+    # A copy of its bytes (the unpacker's buffer), not 262,000 lists (17 MB).
+    assert peak < 2 * len(bomb), f"peeking allocated {peak} bytes"
+    honest = Header(Command.RESULT, env=3, token=b"t" * 16).encode()
+    assert peek_command(honest) is Command.RESULT
+    assert peek_sender(honest) == (3, b"t" * 16)

@@ -40,7 +40,8 @@ from zmqpool.remote_failures import RemoteFailures
 from zmqpool.roster import Link, Roster, WorkerPhase, WorkerRecord
 from zmqpool.specs import spec_from_data, spec_to_data
 from zmqpool.state import Ledger
-from zmqpool.wire import Command, Header, peek_command
+from zmqpool.waiting import WaitingRoom
+from zmqpool.wire import PAUSE_GC_ABOVE_BYTES, Command, Header, collector_paused, peek_command
 
 log = logging.getLogger("zmqpool")
 
@@ -55,6 +56,11 @@ _HEARTBEAT_SUFFIX = b"!hb"
 #: bytes. Larger ones are dropped before they are unpacked, so that a peer cannot
 #: make the trainer build a Python object for every byte of every heartbeat.
 MAX_SMALL_CONTROL_BYTES = 4 << 10
+#: The same for the remote side: a HEARTBEAT there is under 64 bytes, and anything
+#: larger (a REGISTER, a FAILED) is charged to its key's byte budget before it is
+#: unpacked. 4 KiB of empty arrays cost 80 us to unpack (1-1.5 ms with the cyclic
+#: collector running), and a remote key's small messages had no rate at all.
+MAX_SMALL_REMOTE_CONTROL_BYTES = 256
 #: What may be larger: a REGISTER carries specs, a FAILED a traceback.
 _LARGE_CONTROL = (Command.REGISTER, Command.FAILED)
 #: Bytes of large control messages a remote key may have unpacked per second, and
@@ -70,8 +76,8 @@ REGISTER_BURST = 200
 #: restarts a failing worker every few seconds, at most 5 times by default).
 FAILED_LOGS_PER_S = 0.2
 FAILED_LOG_BURST = 5
-#: Newcomers waiting for a slot their key's live worker holds, remembered at most.
-_MAX_WAITING = 1024
+#: Admitted workers whose WELCOME could not be routed, remembered at most.
+_MAX_UNWELCOMED = 1024
 
 
 class TokenBucket:
@@ -167,8 +173,8 @@ class Registrar:
         self._register_budget = TokenBucket(REGISTERS_PER_S, REGISTER_BURST)  # a token a REGISTER
         self._failed_log_budget = TokenBucket(FAILED_LOGS_PER_S, FAILED_LOG_BURST)
         self.remote_failures = RemoteFailures() if remote_failures is None else remote_failures
-        #: When a REGISTER that found no room first waited, by identity.
-        self._waiting_since: dict[bytes, float] = {}
+        #: REGISTERs that found no room yet wait for a live worker's slots (see _on_register).
+        self._waiting = WaitingRoom(2 * config.heartbeat_timeout_s)
         #: Admitted workers whose last WELCOME could not be routed (see _on_register).
         self._unwelcomed: set[bytes] = set()
         self.revoked: set[str] = set()
@@ -184,7 +190,12 @@ class Registrar:
 
     def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
         try:
-            self._on_message(identity, frames, remote)
+            if frames and len(frames[0]) > PAUSE_GC_ABOVE_BYTES:
+                # Paused until the message's objects are gone (see collector_paused).
+                with collector_paused():
+                    self._on_message(identity, frames, remote)
+            else:
+                self._on_message(identity, frames, remote)
         except RecursionError:  # a peer's data nested deeper than Python recurses: dropped
             self.ledger.drop("a control message nested too deep")
 
@@ -193,7 +204,8 @@ class Registrar:
             self.ledger.drop("control message without a header")
             return
         data = frames[0].buffer
-        if len(data) > MAX_SMALL_CONTROL_BYTES and not self._may_unpack(data, frames[0], remote):
+        small = MAX_SMALL_REMOTE_CONTROL_BYTES if remote else MAX_SMALL_CONTROL_BYTES
+        if len(data) > small and not self._may_unpack(data, frames[0], remote):
             return
         key = peer_key(frames[0]) if remote else None
         try:
@@ -307,11 +319,7 @@ class Registrar:
         """
         if not self.roster.held_by_live(key, count):
             return False
-        now = time.monotonic()
-        if len(self._waiting_since) > _MAX_WAITING and identity not in self._waiting_since:
-            self._waiting_since.clear()  # identities a peer chose: never an unbounded table
-        first = self._waiting_since.setdefault(identity, now)
-        return now - first < 2 * self.config.heartbeat_timeout_s
+        return self._waiting.may_wait(key, identity, time.monotonic())
 
     def _tell_setup(self, identity: bytes, reason: str, remote: bool) -> None:
         """A worker this pool started and refused: construction raises, saying why.
@@ -348,7 +356,7 @@ class Registrar:
             self._refuse(identity, err, remote, key)
             self._tell_setup(identity, str(err), remote)
             return
-        self._waiting_since.pop(identity, None)
+        self._waiting.admitted(key, identity)
         if record is None:  # a duplicate: our WELCOME was lost; say it again
             known = self.roster.worker(identity)
             if known is not None and known.link is not None:
@@ -529,7 +537,7 @@ class Registrar:
         routed = self.broker.route(link.identity, [header.encode()], link.remote)
         if routed:
             self._unwelcomed.discard(link.identity)
-        elif len(self._unwelcomed) < _MAX_WAITING:  # identities of admitted workers only
+        elif len(self._unwelcomed) < _MAX_UNWELCOMED:  # identities of admitted workers only
             self._unwelcomed.add(link.identity)
         return routed
 

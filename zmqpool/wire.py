@@ -201,11 +201,12 @@ layouts a peer will use."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import gc
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -373,23 +374,35 @@ class Header:
 #: 270-370 ms with it on (the containers set off full collections, each walking
 #: the ~400,000 objects torch and torchrl keep), in 22-31 ms paused (measured
 #: here). Small headers, every message's, skip the two calls.
-PAUSE_GC_ABOVE_BYTES = 16 << 10
+PAUSE_GC_ABOVE_BYTES = 1 << 10
 
 
 def _unpack_collector_paused(data: bytes | memoryview) -> Any:
+    with collector_paused():
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic collector off while the block runs (nested pauses: the outer one resumes it).
+
+    A message's objects must be gone by the end of the pause too: a collection that
+    finds them alive (the header is still held when the next allocation comes)
+    promotes them, and thousands of them a message set off full collections.
+    """
     # One pause at a time in a process (two pools' threads may decode at once): else one
     # could read "disabled" from the other's pause and leave the collector off for good.
     with _GC_PAUSE:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return msgpack.unpackb(data, raw=False, strict_map_key=False)
+            yield
         finally:
             if enabled:
                 gc.enable()
 
 
-_GC_PAUSE = threading.Lock()
+_GC_PAUSE = threading.RLock()
 
 
 def peek_command(data: bytes | memoryview) -> Command | None:
@@ -417,7 +430,17 @@ def peek_sender(data: bytes | memoryview) -> tuple[int, bytes] | None:
 
 def _peek_fields(data: bytes | memoryview, count: int) -> list[Any] | None:
     """A header's first ``count`` fields (the small ones), or None if it is not a header."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) or 1)
+    # Scalars only (ints, a token): a field that is an array or a map (of up to one
+    # object per byte) raises at once instead of being built before any check.
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=len(data) or 1,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+        max_str_len=MAX_TOKEN_BYTES,
+        max_bin_len=MAX_TOKEN_BYTES,
+    )
     try:
         unpacker.feed(data)
         if unpacker.read_array_header() != 7:
