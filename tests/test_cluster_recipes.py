@@ -61,3 +61,18 @@ def test_the_kubernetes_manifest_runs_workers_against_the_trainer_service_with_s
     assert args.server_key.startswith(mounts[volume["name"]])
     assert args.client_key.startswith(mounts[volume["name"]])
     assert args.num_envs == 8 and args.env == "my_package.envs:make_env"
+
+
+def test_the_sbatch_script_is_valid_bash_and_checks_its_exports():
+    # The worker line parsing above says nothing of the rest of the script: bash must accept
+    # it all (an apostrophe in a ${VAR:?message} once made it fail before srun), and
+    # without TRAINER it must stop with its own message.
+    import subprocess
+
+    script = RECIPES / "workers.sbatch"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    run = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert run.returncode != 0 and "set TRAINER=HOST:PORT" in run.stderr, run.stderr

@@ -9,9 +9,15 @@ and ``pool.close()`` ends the actors.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 
 import pytest
@@ -145,3 +151,55 @@ def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_clust
     # The actor gave up after its own 2 s: the pool heard it then, not at its own deadline.
     assert waited < POOL_DEADLINE_S / 2, f"construction failed after {waited:.1f} s"
     assert workers.actors == []
+
+
+def test_an_actor_whose_env_maker_fails_fails_construction_at_once_saying_why(ray_cluster):
+    # Ray does not restart an actor whose constructor raised (max_restarts notwithstanding):
+    # the pool must not wait out its deadline, and must say what the maker raised.
+    workers = RayWorkers(
+        "zmqpool.testing:CountingEnv", count=1, env_kwargs={"no_such_kwarg": 1}, num_cpus=0.5
+    )
+    started = time.monotonic()
+    with pytest.raises(RegistrationError) as caught:
+        ZMQAsyncEnvPool(
+            [],
+            remote_workers=workers,
+            bind="tcp://127.0.0.1:*",
+            config=PoolConfig(register_timeout_s=POOL_DEADLINE_S, close_timeout_s=1.0),
+        )
+    assert time.monotonic() - started < POOL_DEADLINE_S / 2
+    assert "no_such_kwarg" in str(caught.value), str(caught.value)
+    assert workers.actors == []
+
+
+#: A trainer that exits without close(), a weakref.finalize made before ray.init (as
+#: tempfile's, or many a library's): Ray's own exit hook runs first, then the pool's.
+EXIT_WITHOUT_CLOSE = """
+import json, os, sys, tempfile
+kept = tempfile.TemporaryDirectory()
+import ray
+from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool.ray_workers import RayWorkers
+ray.init(address=sys.argv[1], log_to_driver=False)
+workers = RayWorkers("zmqpool.testing:CountingEnv", count=1, num_cpus=0.5)
+pool = ZMQAsyncEnvPool([], remote_workers=workers, bind="tcp://127.0.0.1:*",
+                       config=PoolConfig(register_timeout_s=90))
+pool.reset()
+print(json.dumps({"pid": os.getpid()}), flush=True)
+"""
+
+
+def test_a_trainer_that_exits_without_close_after_ray_leaves_nothing_behind(ray_cluster):
+    # The pool's finalizer found Ray shut down: "RayWorkers: connect to a Ray cluster
+    # first" on stderr, and its sockets' directory (/tmp/zmqp-<pid>-*) left behind.
+    address = ray.get_runtime_context().gcs_address
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXIT_WITHOUT_CLOSE), address],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0 and '"pid"' in run.stdout, run.stderr[-3000:]
+    assert "Error" not in run.stderr, run.stderr[-3000:]
+    pid = json.loads(run.stdout.strip().splitlines()[-1])["pid"]
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"zmqp-{pid}-*"))

@@ -191,7 +191,7 @@ class RayWorkers:
             try:
                 status = ray.get(handle.status.remote(wait_s), timeout=wait_s + 10.0)
             except Exception as err:  # a dead or unplaceable actor: say that
-                found.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+                found.append(_describe(err))
                 continue
             if status["failure"]:
                 found.append(status["failure"])
@@ -222,8 +222,11 @@ class RayWorkers:
             del self._status_queries[i]  # asked again next time, unless done
             try:
                 status = ray.get(ref, timeout=0)
-            except Exception as err:  # died or restarting: not a verdict yet
-                log.debug("actor %d: status query failed: %s", i, err)
+            except Exception as err:  # died or restarting: not a verdict yet...
+                if getattr(err, "actor_init_failed", False):  # ...unless its env maker failed:
+                    found.append(_describe(err))  # Ray does not restart a failed constructor
+                else:
+                    log.debug("actor %d: status query failed: %s", i, err)
                 continue
             if status["failure"]:
                 found.append(status["failure"])
@@ -238,7 +241,13 @@ class RayWorkers:
         """End every actor this launcher started (no restart) and its placement group."""
         if not self.actors and self._placement_group is None:
             return
-        ray = _ray()
+        import ray
+
+        if not ray.is_initialized():  # Ray shut down first (at exit): it ended the actors
+            self.actors = []
+            self._status_queries.clear()
+            self._placement_group = None
+            return
         for handle in self.actors:
             try:
                 ray.kill(handle, no_restart=True)
@@ -255,6 +264,15 @@ class RayWorkers:
 
     def __repr__(self) -> str:
         return f"RayWorkers({self.env!r}, count={self.count}, envs_per_actor={self.envs_per_actor})"
+
+
+def _describe(err: BaseException) -> str:
+    """One line for a dead actor: Ray's first line and, for a failed constructor, its error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    if getattr(err, "actor_init_failed", False) and len(lines) > 1:
+        text += f" ... {lines[-1]}"  # the env maker's exception, e.g. TypeError: ...
+    return text
 
 
 def _kwargs_per_env(kwargs: Any, num_envs: int) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ runtime; their events go to the supervisor; the ready replies are returned.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import os
 import time
@@ -86,6 +87,8 @@ from zmqpool.wire import (
     message_frames,
 )
 
+log = logging.getLogger("zmqpool")
+
 #: How often construction asks launched workers whether one has given up (each
 #: check is a non-blocking look at answers already in; see ``RayWorkers.poll_failures``).
 LAUNCHER_CHECK_S = 0.5
@@ -142,7 +145,10 @@ class Resources:
             grace_s = self.config.close_timeout_s if grace_s is None else grace_s
             stop_all(processes, grace_s)
             for launcher in self.launchers:
-                launcher.stop()
+                try:
+                    launcher.stop()
+                except Exception as err:  # the sockets and the directory must still go
+                    log.warning("could not stop %r: %s", launcher, err)
             if self.launcher is not None:
                 self.launcher.close()
             if self.broker is not None:
