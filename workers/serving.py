@@ -36,7 +36,7 @@ def start(
 ) -> int:
     """What ``workers.cli.run`` does once the arguments are parsed: host the envs they name."""
     if args.maker_stdin:
-        indices, recipes = _read_maker_payload(args, maker_payload)
+        indices, recipes, args.identity = _read_maker_payload(args, maker_payload)
     else:
         indices, recipes = _recipes_from_args(parser, args)
     remote = not args.env_indices and not args.maker_stdin
@@ -67,8 +67,10 @@ class MakerPayloadError(ValueError):
     """What ``--maker-stdin`` read is not the pool's cloudpickled env makers."""
 
 
-def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
-    """The pool's ``--maker-stdin`` payload; :class:`MakerPayloadError` if it is not one."""
+def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe], str]:
+    """The pool's ``--maker-stdin`` payload: env indices, recipes and the worker's routing
+    identity (never on the command line, which any user may read); :class:`MakerPayloadError`
+    if it is not one."""
     import cloudpickle
 
     if not data:
@@ -78,15 +80,18 @@ def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe]]:
         indices = [int(i) for i in payload["indices"]]
         recipes = [EnvRecipe(maker, kwargs) for maker, kwargs in payload["recipes"]]
         sys_path = [str(p) for p in payload["sys_path"]]
+        identity = payload["identity"]
+        if type(identity) is not str or not identity:
+            raise TypeError(f"its identity must be a non-empty str, got {identity!r}")
     except Exception as err:  # garbage, a truncated pickle, a maker whose module won't import
         raise MakerPayloadError(f"not the pool's env makers: {type(err).__name__}: {err}") from err
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    return indices, recipes
+    return indices, recipes, identity
 
 
 def _read_maker_payload(
     args: argparse.Namespace, maker_payload: bytes | None
-) -> tuple[list[int], list[EnvRecipe]]:
+) -> tuple[list[int], list[EnvRecipe], str]:
     """``_recipes_from_payload`` of stdin (or of the fork server's copy); a one-line exit."""
     data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
     try:

@@ -118,30 +118,34 @@ class Broker:
 
     # ------------------------------------------------------------ binding
 
-    def _socket(self, kind: int, max_bytes: int, keys: ServerKeys | None, remote: bool) -> Any:
+    def _socket(
+        self, kind: int, max_bytes: int, keys: ServerKeys | None, remote: bool, tcp: bool
+    ) -> Any:
+        """A socket with its limits set (before it binds); ``tcp``: any local user reaches it."""
         sock = self.context.socket(kind)
         sock.linger = 0
         if remote:  # libzmq counts CURVE's own bytes per frame against the limit too
             max_bytes += CURVE_FRAME_OVERHEAD
+        if tcp:  # the local side over loopback TCP too: any local user may connect
             queue = REMOTE_RESULTS_QUEUE if kind == zmq.PULL else REMOTE_CONTROL_QUEUE
             sock.setsockopt(zmq.RCVHWM, queue)  # per connection: see limits
+            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         # MAXMSGSIZE is per frame; libzmq reads it (and CURVE) when an endpoint is bound.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        if remote:
-            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-            if keys is not None:
-                _enforce_curve(sock, keys)
+        if remote and keys is not None:
+            _enforce_curve(sock, keys)
         return sock
 
     def _side(self, endpoints: Endpoints, keys: ServerKeys | None, results_cap: int | None) -> Side:
         """A ROUTER and a PULL, bound; remote (TCP, CURVE) if ``results_cap`` is given."""
         remote = results_cap is not None
+        tcp = endpoints.router.startswith("tcp://")
         # Workers send the ROUTER one-frame control messages only: nothing longer than a
         # header. A worker whose REGISTER would not fit fails on its side, saying why.
         control_cap = MAX_REMOTE_CONTROL_BYTES if remote else max_message_bytes([])
-        router = self._socket(zmq.ROUTER, control_cap, keys, remote)
+        router = self._socket(zmq.ROUTER, control_cap, keys, remote, tcp)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        pull = self._socket(zmq.PULL, results_cap or max_message_bytes([]), keys, remote)
+        pull = self._socket(zmq.PULL, results_cap or max_message_bytes([]), keys, remote, tcp)
         side = Side(router, pull, _bind(router, endpoints.router), "", remote)
         side.results_ep = _bind(pull, endpoints.results)
         self.poller.register(router, zmq.POLLIN)
@@ -154,7 +158,12 @@ class Broker:
             if bound >= limit:
                 return self.results_eps[bound]
         self.local.pull.setsockopt(zmq.MAXMSGSIZE, limit)
-        endpoint = _bind(self.local.pull, f"{self.local.results_ep}{len(self.results_eps)}")
+        base = self.local.results_ep
+        if base.startswith("tcp://"):  # a port of its own: PORT followed by "1" is another port
+            where = f"{base.rsplit(':', 1)[0]}:*"
+        else:
+            where = f"{base}{len(self.results_eps)}"
+        endpoint = _bind(self.local.pull, where)
         self.results_eps[limit] = endpoint
         return endpoint
 

@@ -53,8 +53,16 @@ import cloudpickle
 log = logging.getLogger("zmqpool")
 
 
-def pickle_recipes(indices: Sequence[int], makers: Sequence[Any], kwargs: Sequence[dict]) -> bytes:
-    """The stdin payload of a local worker; fails here, naming the env, if a maker won't pickle."""
+def pickle_recipes(
+    indices: Sequence[int], makers: Sequence[Any], kwargs: Sequence[dict], identity: str
+) -> bytes:
+    """The stdin payload of a local worker; fails here, naming the env, if a maker won't pickle.
+
+    ``identity``, its routing identity (``w<index>.<secret>``), travels here, not on its
+    command line: ``/proc/PID/cmdline`` is every user's to read, and over loopback TCP
+    (``local_transport="tcp"``) the identity is what another user would need to register
+    as the worker. The stdin pipe (or the fork server's) is the trainer's alone.
+    """
     recipes = []
     for index, maker, kw in zip(indices, makers, kwargs, strict=True):
         try:
@@ -64,7 +72,12 @@ def pickle_recipes(indices: Sequence[int], makers: Sequence[Any], kwargs: Sequen
                 f"env maker {index} ({maker!r}) cannot be sent to a worker process: {err}"
             ) from err
         recipes.append((maker, dict(kw)))
-    payload = {"indices": list(indices), "recipes": recipes, "sys_path": list(sys.path)}
+    payload = {
+        "indices": list(indices),
+        "recipes": recipes,
+        "sys_path": list(sys.path),
+        "identity": identity,
+    }
     return cloudpickle.dumps(payload)
 
 
@@ -329,7 +342,6 @@ _PROGRAM_ARGS = len(module_argv("workers"))
 
 def worker_argv(
     router: str,
-    identity: str,
     indices: Sequence[int],
     heartbeat_s: float,
     env_threads: bool = False,
@@ -348,8 +360,6 @@ def worker_argv(
         *module_argv("workers"),
         "--connect",
         router,
-        "--identity",
-        identity,
         "--env-indices",
         ",".join(str(i) for i in indices),
         "--maker-stdin",

@@ -361,10 +361,10 @@ class Runtime:
             indices,
             [self.plan.env_makers[i] for i in indices],
             [self.plan.create_env_kwargs[i] for i in indices],
+            record.identity.decode(),  # on its stdin: a command line is every user's to read
         )
         argv = worker_argv(
             self.broker.local.router_ep,
-            record.identity.decode(),
             indices,
             self.config.heartbeat_interval_s,
             self.config.env_threads,
