@@ -374,11 +374,14 @@ def test_a_killed_trainers_directory_is_removed_by_the_next_pool(tmp_path):
     for directory in (stale, listened, live):
         directory.mkdir()
     (stale / "r").touch()  # a socket file with nothing bound: ECONNREFUSED
+    target = tmp_path / "not-a-pool"
+    target.mkdir()
+    (tmp_path / f"zmqp-{gone.pid}-link").symlink_to(target)  # another user's plant: not ours
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as router:
         router.bind(str(listened / "r"))  # a live process of that pid in another namespace
         router.listen()
         assert sweep_stale_dirs(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and listened.exists() and live.exists()
+    assert not stale.exists() and listened.exists() and live.exists() and target.exists()
     mine = make_private_dir()
     remove_private_dir(mine)
     assert os.path.basename(mine).startswith(f"zmqp-{os.getpid()}-")  # what the sweep reads

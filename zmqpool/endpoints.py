@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 import socket
+import stat
 import tempfile
 
 import zmq
@@ -76,7 +77,10 @@ def sweep_stale_dirs(base: str) -> list[str]:
 def _is_stale(path: str) -> bool:
     pid = os.path.basename(path)[len(_PREFIX) :].split("-", 1)[0]
     try:
-        if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _alive(int(pid)):
+        found = os.lstat(path)  # not a link's target: another user may plant a link there
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+            return False
+        if not pid.isdigit() or _alive(int(pid)):
             return False
     except OSError:  # removed meanwhile
         return False
