@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
@@ -385,6 +386,35 @@ def test_a_killed_trainers_directory_is_removed_by_the_next_pool(tmp_path):
     mine = make_private_dir()
     remove_private_dir(mine)
     assert os.path.basename(mine).startswith(f"zmqp-{os.getpid()}-")  # what the sweep reads
+
+
+def test_the_sweep_does_not_wait_on_a_router_that_listens_and_never_accepts(tmp_path):
+    # A forked child of a killed trainer keeps its router listening and accepts nothing:
+    # each sweep's probe took a place in its backlog, and once it was full (about 100
+    # pool constructions later) every construction on the machine waited for ever.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    held = tmp_path / f"zmqp-{gone.pid}-held"
+    held.mkdir()
+    queued = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as router:
+        router.bind(str(held / "r"))
+        router.listen(0)
+        for _ in range(8):  # fill the backlog: connects that are never accepted
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            queued.append(client)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(str(held / "r"))
+        swept: list = []
+        sweeper = threading.Thread(target=lambda: swept.append(sweep_stale_dirs(str(tmp_path))))
+        sweeper.daemon = True  # if it waits for ever, the test fails and leaves it
+        sweeper.start()
+        sweeper.join(10)
+        for client in queued:
+            client.close()
+    assert swept == [[]], "the sweep waited on a router that never accepts"
+    assert held.exists()
 
 
 def test_env_instances_maybe_dense_stack_and_worker_affinity():

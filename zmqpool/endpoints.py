@@ -98,8 +98,15 @@ def _alive(pid: int) -> bool:
 
 
 def _listening(path: str) -> bool:
-    """Whether a socket at ``path`` accepts connections (a pool's router binds there)."""
+    """Whether a socket at ``path`` accepts connections (a pool's router binds there).
+
+    Without waiting: a socket that listens and never accepts (a forked child of a
+    killed trainer holds its router open) fills its backlog with our probes, one a
+    construction, and a blocking connect then waited for ever, in every pool made
+    on the machine. A full backlog (``EAGAIN``) is a listener too.
+    """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
         try:
             probe.connect(path)
         except FileNotFoundError:
