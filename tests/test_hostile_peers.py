@@ -68,6 +68,37 @@ def victim_with_a_remote_worker(tmp_path, key_dir, port: int, context) -> Iterat
             honest.close()
 
 
+def steps_under_flood(
+    victim: Victim, sock: zmq.Socket, frame: bytes, per_second: float | None, within_s: float
+) -> tuple[list[dict], float]:
+    """200 steps of the victim's env 0 while ``sock`` sends ``frame`` ``per_second`` times a
+    second, or as fast as the pool takes them (None); the rounds and their time. Closes ``sock``.
+    """
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # the pool's queue for us is full: it is reading
+                stop.wait(0.0005)
+            if per_second is not None:
+                stop.wait(1 / per_second)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        if per_second is None:
+            stop.wait(1.0)  # the flood under way, queues full
+        started = time.monotonic()
+        rounds = steps_of_env_0(victim, rounds=200, timeout_s=30, within_s=within_s)
+        return rounds, time.monotonic() - started
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close(0)
+
+
 def answered(rounds: list[dict]) -> int:
     return sum(1 for r in rounds if "0" in r["results"] and not r["errors"])
 
@@ -190,23 +221,7 @@ def test_large_result_headers_from_a_key_without_an_env_are_not_unpacked(
         push.linger = 0
         push.curve_publickey, push.curve_secretkey, push.curve_serverkey = client_keys(key_dir, 1)
         push.connect(f"tcp://{HOST}:{port + 1}")
-        stop = threading.Event()
-
-        def flood() -> None:
-            while not stop.wait(1 / 40):
-                with contextlib.suppress(zmq.Again):
-                    push.send(junk, zmq.NOBLOCK)
-
-        thread = threading.Thread(target=flood, daemon=True)
-        thread.start()
-        try:
-            started = time.monotonic()
-            rounds = steps_of_env_0(victim, rounds=200, timeout_s=30, within_s=90)
-            took = time.monotonic() - started
-        finally:
-            stop.set()
-            thread.join(5)
-            push.close(0)
+        rounds, took = steps_under_flood(victim, push, junk, per_second=40, within_s=90)
         assert "wrong token for env" in victim.log()  # the flood reached the pool
     assert answered(rounds) == 200
     assert took < 8, f"200 steps of a local env took {took:.1f} s under the flood"
@@ -274,26 +289,7 @@ def test_small_headers_of_empty_arrays_from_a_key_are_not_unpacked(
         sock.linger = 0
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(key_dir, 1)
         sock.connect(f"tcp://{HOST}:{port + port_offset}")
-        stop = threading.Event()
-
-        def flood() -> None:
-            while not stop.is_set():
-                try:
-                    sock.send(frame, zmq.NOBLOCK)
-                except zmq.Again:  # the pool's queue for us is full: it is reading
-                    stop.wait(0.0005)
-
-        thread = threading.Thread(target=flood, daemon=True)
-        thread.start()
-        try:
-            stop.wait(1.0)  # the flood under way, queues full
-            started = time.monotonic()
-            rounds = steps_of_env_0(victim, rounds=200, timeout_s=30, within_s=120)
-            took = time.monotonic() - started
-        finally:
-            stop.set()
-            thread.join(5)
-            sock.close(0)
+        rounds, took = steps_under_flood(victim, sock, frame, per_second=None, within_s=120)
         log = victim.log()
     assert answered(rounds) == 200
     reason = {0: "a large control message that is not a registration", 1: "wrong token for env"}

@@ -128,6 +128,19 @@ def test_ray_actors_build_their_envs_with_the_trainers_default_dtype(ray_cluster
         pool.close()
 
 
+def failed_construction(workers: RayWorkers) -> tuple[str, float]:
+    """The ``RegistrationError`` a pool of only ``workers`` fails with, and how long it took."""
+    started = time.monotonic()
+    with pytest.raises(RegistrationError) as caught:
+        ZMQAsyncEnvPool(
+            [],
+            remote_workers=workers,
+            bind="tcp://127.0.0.1:*",
+            config=PoolConfig(register_timeout_s=POOL_DEADLINE_S, close_timeout_s=1.0),
+        )
+    return str(caught.value), time.monotonic() - started
+
+
 def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_cluster):
     workers = RayWorkers(
         "zmqpool.testing:CountingEnv",
@@ -137,16 +150,7 @@ def test_an_actor_that_cannot_reach_the_pool_names_the_address_and_key(ray_clust
         register_timeout_s=2.0,
         max_restarts=0,
     )
-    started = time.monotonic()
-    with pytest.raises(RegistrationError) as caught:
-        ZMQAsyncEnvPool(
-            [],
-            remote_workers=workers,
-            bind="tcp://127.0.0.1:*",
-            config=PoolConfig(register_timeout_s=POOL_DEADLINE_S, close_timeout_s=1.0),
-        )
-    waited = time.monotonic() - started
-    message = str(caught.value)
+    message, waited = failed_construction(workers)
     assert "tcp://127.0.0.2:" in message and "with key" in message, message
     # The actor gave up after its own 2 s: the pool heard it then, not at its own deadline.
     assert waited < POOL_DEADLINE_S / 2, f"construction failed after {waited:.1f} s"
@@ -159,16 +163,9 @@ def test_an_actor_whose_env_maker_fails_fails_construction_at_once_saying_why(ra
     workers = RayWorkers(
         "zmqpool.testing:CountingEnv", count=1, env_kwargs={"no_such_kwarg": 1}, num_cpus=0.5
     )
-    started = time.monotonic()
-    with pytest.raises(RegistrationError) as caught:
-        ZMQAsyncEnvPool(
-            [],
-            remote_workers=workers,
-            bind="tcp://127.0.0.1:*",
-            config=PoolConfig(register_timeout_s=POOL_DEADLINE_S, close_timeout_s=1.0),
-        )
-    assert time.monotonic() - started < POOL_DEADLINE_S / 2
-    assert "no_such_kwarg" in str(caught.value), str(caught.value)
+    message, waited = failed_construction(workers)
+    assert waited < POOL_DEADLINE_S / 2, f"construction failed after {waited:.1f} s"
+    assert "no_such_kwarg" in message, message
     assert workers.actors == []
 
 
