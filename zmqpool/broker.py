@@ -139,7 +139,8 @@ class Broker:
     def _side(self, endpoints: Endpoints, keys: ServerKeys | None, results_cap: int | None) -> Side:
         """A ROUTER and a PULL, bound; remote (TCP, CURVE) if ``results_cap`` is given."""
         remote = results_cap is not None
-        tcp = endpoints.router.startswith("tcp://")
+        # Queue and handshake limits: the remote side's always, the local side's over TCP.
+        tcp = remote or endpoints.router.startswith("tcp://")
         # Workers send the ROUTER one-frame control messages only: nothing longer than a
         # header. A worker whose REGISTER would not fit fails on its side, saying why.
         control_cap = MAX_REMOTE_CONTROL_BYTES if remote else max_message_bytes([])
