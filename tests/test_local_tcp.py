@@ -13,6 +13,11 @@ pool run by root (README: unencrypted and unauthenticated, refused with ``bind``
 - a second results endpoint (a larger frame limit) was bound at the first's
   port with "1" appended, another port (40599 became 12775), which anything
   already listening there would make fail.
+
+Session 62: the side had no CURVE, so any local process could connect and send
+a message of as many frames as it liked (libzmq holds a whole message before
+the pool reads its first frame). Now each local worker gets a key pair the
+pool made, on its stdin, and only those keys complete a handshake.
 """
 
 from __future__ import annotations
@@ -21,17 +26,21 @@ import contextlib
 import dataclasses
 import os
 import re
+import time
 from pathlib import Path
 
+import torch
 import zmq
+from tensordict import TensorDict
 
 from tests.conftest import FAST
+from tests.hostile import Peer
 from zmqpool import ZMQAsyncEnvPool
 from zmqpool.broker import Broker
 from zmqpool.endpoints import Endpoints
 from zmqpool.layout import max_message_bytes
 from zmqpool.limits import REMOTE_CONTROL_QUEUE, REMOTE_RESULTS_QUEUE
-from zmqpool.testing import CountingEnv
+from zmqpool.testing import CountingEnv, FaultyEnv
 
 
 def descendants(pid: int) -> list[int]:
@@ -96,3 +105,99 @@ def test_a_larger_results_endpoint_over_tcp_takes_a_port_of_its_own():
     finally:
         squatter.close()
         broker.close()
+
+
+class Heard:
+    """A broker's sink that keeps what reaches the pool."""
+
+    def __init__(self) -> None:
+        self.results: list[list[bytes]] = []
+        self.control: list[list[bytes]] = []
+
+    def on_result(self, frames: list[zmq.Frame], remote: bool) -> None:
+        self.results.append([f.bytes for f in frames])
+
+    def on_control(self, identity: bytes, frames: list[zmq.Frame], remote: bool) -> None:
+        self.control.append([f.bytes for f in frames])
+
+    def on_fd(self, fd: int) -> None:
+        raise AssertionError(f"no fd is watched here, yet {fd} was readable")
+
+
+def _handshake(peer: Peer, timeout_s: float = 10.0) -> str:
+    """The first handshake outcome ``peer``'s monitor reports within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        outcome = [e for e in peer.events() if e.startswith("EVENT_HANDSHAKE_")]
+        if outcome:
+            return outcome[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no handshake outcome within {timeout_s} s: {peer.events()}")
+
+
+def test_the_local_tcp_side_takes_only_the_keys_the_pool_made_for_its_workers():
+    broker = Broker(FAST, Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+    context = zmq.Context()
+    strangers: list[Peer] = []
+    try:
+        ports = [(broker.local.router_ep, zmq.DEALER), (broker.local.results_ep, zmq.PUSH)]
+        for endpoint, kind in ports:
+            strangers.append(Peer(context, endpoint, kind=kind, monitor=True))  # no key
+            strangers[-1].send(b"a stranger's frame")
+            assert _handshake(strangers[-1]) != "EVENT_HANDSHAKE_SUCCEEDED", endpoint
+        keys = broker.local_keys
+        assert keys is not None
+        unknown_public, unknown_secret = zmq.curve_keypair()
+        strangers.append(
+            Peer(
+                context,
+                broker.local.results_ep,
+                kind=zmq.PUSH,
+                monitor=True,
+                curve=(unknown_public, unknown_secret, keys.public),  # a key nobody authorized
+            )
+        )
+        strangers[-1].send(b"a stranger's frame")
+        assert _handshake(strangers[-1]) == "EVENT_HANDSHAKE_FAILED_AUTH"
+        worker_public, worker_secret = zmq.curve_keypair()
+        broker.authorize_local(worker_public)
+        worker = Peer(
+            context,
+            broker.local.results_ep,
+            kind=zmq.PUSH,
+            monitor=True,
+            curve=(worker_public, worker_secret, keys.public),
+        )
+        strangers.append(worker)
+        worker.send(b"the worker's frame")
+        heard = Heard()
+        deadline = time.monotonic() + 10.0
+        while not heard.results and time.monotonic() < deadline:
+            broker.poll(0.1, heard)
+        assert heard.results == [[b"the worker's frame"]] and not heard.control
+    finally:
+        for peer in strangers:
+            peer.close()
+        context.destroy(linger=0)
+        broker.close()
+
+
+def test_a_local_worker_restarted_over_tcp_gets_a_key_that_registers():
+    config = dataclasses.replace(FAST, register_timeout_s=60.0)
+    pool = ZMQAsyncEnvPool(
+        [FaultyEnv, CountingEnv],
+        create_env_kwargs=[{"fault": "exit", "fault_at": 2, "every_episode": False}, {}],
+        local_transport="tcp",
+        config=config,
+    )
+    try:
+        pool.reset()
+        counts = []
+        for _ in range(3):  # the second step kills env 0's worker; its replacement steps on
+            pool.async_step_send(TensorDict({"action": torch.zeros(2, 1)}, [2]), env_index=[0, 1])
+            out = pool.async_step_recv(min_get=2, timeout=60)
+            counts.append(out["next", "observation"][:, 1].tolist())
+        assert pool.env_stats()[0]["restarts"] == 1
+        assert counts == [[1.0, 1.0], [0.0, 2.0], [1.0, 3.0]]
+    finally:
+        pool.close()

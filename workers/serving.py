@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import sys
+from typing import Any
 
 from workers.defaults import REGISTER_TIMEOUT_S
 from workers.hosting import EnvHost, EnvRecipe, maker_from_name, recipe_from_name
@@ -35,8 +36,9 @@ def start(
     parser: argparse.ArgumentParser, args: argparse.Namespace, maker_payload: bytes | None
 ) -> int:
     """What ``workers.cli.run`` does once the arguments are parsed: host the envs they name."""
+    payload_keys = None
     if args.maker_stdin:
-        indices, recipes, args.identity = _read_maker_payload(args, maker_payload)
+        indices, recipes, args.identity, payload_keys = _read_maker_payload(args, maker_payload)
     else:
         indices, recipes = _recipes_from_args(parser, args)
     remote = not args.env_indices and not args.maker_stdin
@@ -46,7 +48,7 @@ def start(
         # A local worker ends with its trainer (PR_SET_PDEATHSIG) or its pool's CLOSE.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     slots = _slots(parser, args) if remote else None  # before any env process is forked
-    keys = _client_keys(args)
+    keys = payload_keys or _client_keys(args)
     if remote and not args.single_process:
         run_child = functools.partial(_serve_remote_child, args, keys, slots)
         supervisor = Supervisor(args.num_envs, run_child, args.identity)
@@ -67,10 +69,12 @@ class MakerPayloadError(ValueError):
     """What ``--maker-stdin`` read is not the pool's cloudpickled env makers."""
 
 
-def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe], str]:
-    """The pool's ``--maker-stdin`` payload: env indices, recipes and the worker's routing
-    identity (never on the command line, which any user may read); :class:`MakerPayloadError`
-    if it is not one."""
+def _recipes_from_payload(
+    data: bytes,
+) -> tuple[list[int], list[EnvRecipe], str, ClientKeys | None]:
+    """The pool's ``--maker-stdin`` payload: env indices, recipes, the worker's routing
+    identity and, over loopback TCP, its CURVE keys (never on the command line, which any
+    user may read); :class:`MakerPayloadError` if it is not one."""
     import cloudpickle
 
     if not data:
@@ -83,15 +87,27 @@ def _recipes_from_payload(data: bytes) -> tuple[list[int], list[EnvRecipe], str]
         identity = payload["identity"]
         if type(identity) is not str or not identity:
             raise TypeError(f"its identity must be a non-empty str, got {identity!r}")
+        keys = _payload_keys(payload.get("curve"))
     except Exception as err:  # garbage, a truncated pickle, a maker whose module won't import
         raise MakerPayloadError(f"not the pool's env makers: {type(err).__name__}: {err}") from err
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    return indices, recipes, identity
+    return indices, recipes, identity, keys
+
+
+def _payload_keys(curve: Any) -> ClientKeys | None:
+    """The payload's ``[pool public, worker public, worker secret]`` (z85), or None (ipc)."""
+    if curve is None:
+        return None
+    server_public, public, secret = curve
+    for key in curve:
+        if type(key) is not bytes or len(key) != 40:
+            raise TypeError("its CURVE keys must be three z85 keys of 40 bytes")
+    return ClientKeys(public, secret, server_public)
 
 
 def _read_maker_payload(
     args: argparse.Namespace, maker_payload: bytes | None
-) -> tuple[list[int], list[EnvRecipe], str]:
+) -> tuple[list[int], list[EnvRecipe], str, ClientKeys | None]:
     """``_recipes_from_payload`` of stdin (or of the fork server's copy); a one-line exit."""
     data = maker_payload if maker_payload is not None else sys.stdin.buffer.read()
     try:

@@ -59,12 +59,6 @@ def check_network_args(remote: int, bind, keys, insecure: bool, local_transport:
     tcp_endpoints(bind)  # its form: tcp://HOST:PORT
     if keys not in (None, "in memory") and not os.path.isdir(keys):
         raise FileNotFoundError(f"curve_keys {str(keys)!r} is not a directory (`zmqpool keygen`)")
-    if local_transport == "tcp":
-        raise ValueError(
-            "local_transport='tcp' puts local workers on loopback ports without CURVE, which "
-            f"any local process can reach; with bind={bind!r} local workers use ipc "
-            "(leave local_transport at its default)"
-        )
     if keys is None and not insecure:
         raise ValueError(
             f"binding {bind} without CURVE would let anyone who reaches it step your envs: "

@@ -8,9 +8,11 @@
 
 Two sides, never sharing a socket:
 
-- the **local** side (:class:`Side`): ipc files in a 0700 directory (or
-  loopback TCP with ``local_transport="tcp"``), without CURVE, for the
-  workers this pool spawned;
+- the **local** side (:class:`Side`), for the workers this pool spawned:
+  ipc files in a 0700 directory, without CURVE; or, with
+  ``local_transport="tcp"``, loopback TCP with CURVE and ZAP enforced, each
+  worker's key made by the pool and authorized one by one
+  (:meth:`Broker.authorize_local`), since any local user can reach a port;
 - the **remote** side, with ``bind``: TCP with CURVE (unless ``insecure``),
   ZAP enforced, for workers on other machines, and the
   :class:`~zmqpool.beacon.Beacon` that answers their heartbeats.
@@ -56,7 +58,7 @@ from zmqpool.limits import (
     remote_piece_bytes,
 )
 from zmqpool.protocol import recv_frames, send_frames
-from zmqpool.security import ServerKeys, make_server, start_authenticator
+from zmqpool.security import ServerKeys, make_server, serve_domain, start_authenticator
 from zmqpool.wire import Command, Header
 
 log = logging.getLogger("zmqpool")
@@ -69,6 +71,8 @@ _DRAIN_SECONDS = 0.01
 _HANDSHAKE_MS = 5000
 #: The ZAP domain of the remote side's sockets (enforced: no handler, no peer).
 _ZAP_DOMAIN = b"zmqpool"
+#: The local side's over loopback TCP: its workers' keys are good for it alone.
+_LOCAL_ZAP_DOMAIN = "zmqpool-local"
 
 
 class Sink(Protocol):
@@ -95,9 +99,8 @@ class Broker:
 
     Args:
         config: the pool's (the results cap for the remote side, heartbeats).
-        local: where the local side binds.
-        tcp: where the remote side binds, if the pool takes remote workers.
-        keys: CURVE for the remote side (None: ``insecure``).
+        local: where the local side binds (loopback TCP: with CURVE, see
+            :attr:`local_keys`).
     """
 
     def __init__(self, config: PoolConfig, local: Endpoints) -> None:
@@ -105,10 +108,21 @@ class Broker:
         self.context = _io_context(config.io_thread_batch_sched)
         self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
         self.poller = zmq.Poller()
-        self.local = self._side(local, None, None)
+        self.auth: Any = None  # the ZAP thread, with CURVE on either side
+        #: The local side's CURVE pair over loopback TCP (None over ipc).
+        self.local_keys: ServerKeys | None = None
+        if local.router.startswith("tcp://"):
+            self.local_keys = ServerKeys.ephemeral()
+            self.auth = start_authenticator(self.context, self.local_keys, _LOCAL_ZAP_DOMAIN)
+        try:
+            self.local = self._side(local, self.local_keys, None)
+        except BaseException:  # a bind that failed: no ZAP thread or context left behind
+            if self.auth is not None:
+                self.auth.stop()
+            self.context.destroy(linger=0)
+            raise
         # One local results endpoint per frame limit, bound when a worker first needs it.
         self.results_eps: dict[int, str] = {max_message_bytes([]): self.local.results_ep}
-        self.auth: Any = None  # the ZAP thread, with CURVE
         self.remote: Side | None = None
         self.beacon: Beacon | None = None
         self.tcp: Endpoints | None = None
@@ -124,7 +138,7 @@ class Broker:
         """A socket with its limits set (before it binds); ``tcp``: any local user reaches it."""
         sock = self.context.socket(kind)
         sock.linger = 0
-        if remote:  # libzmq counts CURVE's own bytes per frame against the limit too
+        if keys is not None:  # libzmq counts CURVE's own bytes per frame against the limit too
             max_bytes += CURVE_FRAME_OVERHEAD
         if tcp:  # the local side over loopback TCP too: any local user may connect
             queue = REMOTE_RESULTS_QUEUE if kind == zmq.PULL else REMOTE_CONTROL_QUEUE
@@ -132,8 +146,8 @@ class Broker:
             sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         # MAXMSGSIZE is per frame; libzmq reads it (and CURVE) when an endpoint is bound.
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        if remote and keys is not None:
-            _enforce_curve(sock, keys)
+        if keys is not None:
+            _enforce_curve(sock, keys, _ZAP_DOMAIN if remote else _LOCAL_ZAP_DOMAIN)
         return sock
 
     def _side(self, endpoints: Endpoints, keys: ServerKeys | None, results_cap: int | None) -> Side:
@@ -158,7 +172,8 @@ class Broker:
         for bound in sorted(self.results_eps):
             if bound >= limit:
                 return self.results_eps[bound]
-        self.local.pull.setsockopt(zmq.MAXMSGSIZE, limit)
+        overhead = CURVE_FRAME_OVERHEAD if self.local_keys is not None else 0
+        self.local.pull.setsockopt(zmq.MAXMSGSIZE, limit + overhead)
         base = self.local.results_ep
         if base.startswith("tcp://"):  # a port of its own: PORT followed by "1" is another port
             where = f"{base.rsplit(':', 1)[0]}:*"
@@ -176,12 +191,16 @@ class Broker:
         port itself takes frames of a piece (:func:`~zmqpool.limits.remote_piece_bytes`):
         larger ones come cut (wire: pieces).
         """
-        if keys is not None:
+        if keys is not None and self.auth is not None:  # the local side's, over TCP
+            serve_domain(self.auth, keys, _ZAP_DOMAIN.decode())
+        elif keys is not None:
             self.auth = start_authenticator(self.context, keys, _ZAP_DOMAIN.decode())
         self.remote_frame_cap = results_cap
         self.remote_piece = remote_piece_bytes(results_cap)
         self.remote = self._side(tcp, keys, self.remote_piece)
-        secure = None if keys is None else functools.partial(_enforce_curve, keys=keys)
+        secure = None
+        if keys is not None:
+            secure = functools.partial(_enforce_curve, keys=keys, domain=_ZAP_DOMAIN)
         interval_s = self.config.heartbeat_interval_s
         self.beacon = Beacon(self.context, tcp.beats, secure, self.epoch, interval_s, _HANDSHAKE_MS)
         self.tcp = Endpoints(self.remote.router_ep, self.remote.results_ep, self.beacon.endpoint)
@@ -193,8 +212,13 @@ class Broker:
 
     def authorize(self, key: bytes) -> None:
         """Accept connections with CURVE public key ``key`` (z85), besides ``authorized/``'s."""
-        assert self.auth is not None, "the remote side runs without CURVE"
+        assert self.remote is not None and self.auth is not None, "no remote side with CURVE"
         self.auth.certs.setdefault(_ZAP_DOMAIN.decode(), {})[key] = True
+
+    def authorize_local(self, key: bytes) -> None:
+        """Accept connections on the local side over TCP with CURVE public key ``key`` (z85)."""
+        assert self.local_keys is not None and self.auth is not None, "the local side is ipc"
+        self.auth.certs.setdefault(_LOCAL_ZAP_DOMAIN, {})[key] = True
 
     def revoke(self, key: str) -> None:
         """No new connection with CURVE public key ``key`` (z85) from now on."""
@@ -336,13 +360,14 @@ def _io_context(batch_sched: bool) -> zmq.Context:
     return context
 
 
-def _enforce_curve(sock: zmq.Socket, keys: ServerKeys) -> None:
-    """CURVE server, with every peer checked by the ZAP handler (refused if it is gone).
+def _enforce_curve(sock: zmq.Socket, keys: ServerKeys, domain: bytes | str) -> None:
+    """CURVE server, with every peer checked by the ZAP handler for ``domain`` (refused
+    if it is gone).
 
     Without an enforced ZAP domain libzmq accepts any key when no handler
     answers, as while the pool closes.
     """
-    sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode() if isinstance(domain, str) else domain)
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     make_server(sock, keys)
 

@@ -54,14 +54,20 @@ log = logging.getLogger("zmqpool")
 
 
 def pickle_recipes(
-    indices: Sequence[int], makers: Sequence[Any], kwargs: Sequence[dict], identity: str
+    indices: Sequence[int],
+    makers: Sequence[Any],
+    kwargs: Sequence[dict],
+    identity: str,
+    curve: tuple[bytes, bytes, bytes] | None = None,
 ) -> bytes:
     """The stdin payload of a local worker; fails here, naming the env, if a maker won't pickle.
 
     ``identity``, its routing identity (``w<index>.<secret>``), travels here, not on its
-    command line: ``/proc/PID/cmdline`` is every user's to read, and over loopback TCP
-    (``local_transport="tcp"``) the identity is what another user would need to register
-    as the worker. The stdin pipe (or the fork server's) is the trainer's alone.
+    command line: ``/proc/PID/cmdline`` is every user's to read. So does ``curve``, over
+    loopback TCP (``local_transport="tcp"``): the pool's public key and the worker's
+    own pair (z85), which the pool made and authorized for it, so that no other
+    process of the machine completes a handshake with its ports. The stdin pipe (or
+    the fork server's) is the trainer's alone.
     """
     recipes = []
     for index, maker, kw in zip(indices, makers, kwargs, strict=True):
@@ -77,6 +83,7 @@ def pickle_recipes(
         "recipes": recipes,
         "sys_path": list(sys.path),
         "identity": identity,
+        "curve": None if curve is None else list(curve),
     }
     return cloudpickle.dumps(payload)
 

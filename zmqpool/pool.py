@@ -175,8 +175,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             ``authorized/`` folder may connect.
         insecure: bind TCP without CURVE (anyone who reaches the port can
             step your envs); refused unless set, and logged as a warning.
-        local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback, refused with
-            ``bind``: no CURVE) for local workers.
+        local_transport: ``"ipc"`` (default) or ``"tcp"`` (loopback, with CURVE: each
+            local worker gets a key pair the pool makes) for local workers.
         remote_workers: remote workers the pool starts itself, e.g.
             :class:`~zmqpool.ray_workers.RayWorkers` (one, or a list; any
             :class:`~zmqpool.ray_workers.RemoteLauncher`): their

@@ -275,6 +275,8 @@ class Runtime:
         )
         if plan.restart_on_env_error:
             self.intake.on_env_error = self.supervisor.on_env_error
+        #: Over loopback TCP, the CURVE public key each local worker was last started with.
+        self._local_worker_keys: dict[bytes, bytes] = {}
         self._started = False
 
     # ------------------------------------------------------------ set-up
@@ -362,6 +364,7 @@ class Runtime:
             [self.plan.env_makers[i] for i in indices],
             [self.plan.create_env_kwargs[i] for i in indices],
             record.identity.decode(),  # on its stdin: a command line is every user's to read
+            self._local_curve(record.identity),
         )
         argv = worker_argv(
             self.broker.local.router_ep,
@@ -377,6 +380,20 @@ class Runtime:
         process = self.launcher.start(argv, payload, affinity)
         self.roster.spawned(record, process, time.monotonic())
         self.broker.watch_fd(process.pidfd)
+
+    def _local_curve(self, identity: bytes) -> tuple[bytes, bytes, bytes] | None:
+        """Over loopback TCP: the pool's public key and a new pair for the worker ``identity``
+        is about to start as, authorized on the local side (its predecessor's key revoked)."""
+        server = self.broker.local_keys
+        if server is None:
+            return None
+        public, secret = zmq.curve_keypair()
+        previous = self._local_worker_keys.get(identity)
+        if previous is not None:
+            self.broker.revoke(previous.decode("ascii"))
+        self._local_worker_keys[identity] = public
+        self.broker.authorize_local(public)
+        return server.public, public, secret
 
     def _await_registration(self, count: int, deadline: float) -> None:
         """Until the first ``count`` envs have registered (local envs come first).

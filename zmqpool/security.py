@@ -10,7 +10,9 @@ A worker needs ``server.key`` (to know the pool) and its own ``.key_secret``.
 Deleting a key's file from ``authorized/`` (read when a pool starts) keeps
 pools started later from accepting it; a running pool revokes a key with
 ``ZMQAsyncEnvPool.revoke_worker_key()``. Local ipc endpoints use no CURVE:
-they live in a 0700 directory.
+they live in a 0700 directory. Over loopback TCP (``local_transport="tcp"``)
+the local side has CURVE too, with a pair made in memory for each local worker
+(:meth:`zmqpool.broker.Broker.authorize_local`), under a ZAP domain of its own.
 
 Secrets stay secret: a secret key file that its group or others may read is
 refused when loaded (:class:`InsecureKeyFileError`, saying ``chmod 600``), and
@@ -140,11 +142,20 @@ def start_authenticator(context: zmq.Context, keys: ServerKeys, domain: str) -> 
     """
     auth = ThreadAuthenticator(context, log=None)
     auth.start()
+    serve_domain(auth, keys, domain)
+    return auth
+
+
+def serve_domain(auth: ThreadAuthenticator, keys: ServerKeys, domain: str) -> None:
+    """Let a running ZAP handler answer ``domain`` too: from ``authorized/``, or in memory.
+
+    One handler answers a context's every domain (the local side's over TCP, the
+    remote side's), each its own allow-list: a key is good for its domain alone.
+    """
     if keys.authorized_dir is not None:
         auth.configure_curve(domain=domain, location=keys.authorized_dir)
     else:
         auth.certs[domain] = {}
-    return auth
 
 
 @dataclasses.dataclass(frozen=True)
