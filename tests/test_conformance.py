@@ -921,6 +921,62 @@ class TestCountingPool:
         out = pair.zmq.async_reset_recv(env_index=1, timeout=RECV_TIMEOUT)  # still there
         assert int(out[ENV_INDEX]) == 1
 
+    @pytest.mark.parametrize(
+        ("kind", "rows"),
+        [
+            ("step", "the whole batch"),
+            ("step", "a one-row slice"),
+            ("step_and_maybe_reset", "the whole batch"),
+            ("reset", "the whole batch"),
+        ],
+    )
+    def test_a_batch_sent_on_an_env_s_own_channel_is_refused_at_the_send(self, pair, kind, rows):
+        # Session 62's audit: sent to the worker, the env raised, and the error came at the
+        # recv (with on_env_error="restart": a restart, then a bare RuntimeError).
+        def send(p):
+            td = p.reset().set("action", torch.ones(N, 1, dtype=torch.int8))
+            getattr(p, f"async_{kind}_send")(td if rows == "the whole batch" else td[1:2], 1)
+
+        error = assert_same_error(lambda: send(pair.oracle), lambda: send(pair.zmq))
+        assert isinstance(error, BatchSizeMismatchError)
+        assert str(error).startswith("env 1's own channel takes that env's tensordict")
+        assert not awaited(pair.zmq)  # nothing went out
+
+    def test_an_unbatched_tensordict_sent_with_a_list_of_indices_is_torchrls_index_error(
+        self, pair
+    ):
+        def send(p):
+            td = p.reset().set("action", torch.ones(N, 1, dtype=torch.int8))
+            p.async_step_send(td[1], env_index=[1])
+
+        # A pool of its own: torchrl's is left with env 1 busy for good after it raises.
+        oracle = AsyncEnvPool(counting_makers(N), backend="threading")
+        try:
+            error = assert_same_error(lambda: send(oracle), lambda: send(pair.zmq))
+        finally:
+            oracle.close(raise_if_closed=False)
+        assert isinstance(error, BatchSizeMismatchError) and isinstance(error, RuntimeError)
+        assert not awaited(pair.zmq)  # nothing went out, and nothing is left busy
+
+    def test_an_empty_list_of_indices_sends_nothing(self, pair):
+        # torchrl's pool raises IndexError ("list index out of range"): README.
+        assert isinstance(raised_by(lambda: pair.oracle.async_reset_send(env_index=[])), IndexError)
+        pair.zmq.async_reset_send(env_index=[])
+        empty = pair.zmq.reset().set("action", torch.ones(N, 1, dtype=torch.int8))[:0]
+        pair.zmq.async_step_send(empty, env_index=[])
+        assert not awaited(pair.zmq)
+
+    def test_a_masked_reset_of_rows_in_another_order_labels_its_rows_by_position(self, pair):
+        # Rows are envs by position in a sync call; EnvBase kept the rows not reset with the
+        # input's own labels, so env 0 was named twice ([0, 1, 0]).
+        def run(p):
+            td = p.reset()[[2, 1, 0]]
+            td.set("_reset", torch.tensor([[True], [False], [False]]))
+            return p.reset(td)
+
+        o, z = pair.both(run)
+        assert env_index_values(z) == env_index_values(o) == [0, 1, 2]
+
     # ------------------------------------------------------------ torchrl's tooling
 
     def test_check_env_specs(self, pair):

@@ -417,10 +417,11 @@ class _Opaque:
     "entry",
     [
         lambda: NonTensorStack(_Opaque(), _Opaque()),
-        lambda: torch.zeros(2, 1, dtype=torch.float8_e4m3fn),
+        # Not on the wire's list (README; float8 is, since session 62): raw bits, no values.
+        lambda: torch.zeros(2, 1, dtype=torch.bits16),
         lambda: torch.stack([torch.eye(2).to_sparse()] * 2),  # its bytes are not its values
     ],
-    ids=["object", "float8", "sparse"],
+    ids=["object", "bits16", "sparse"],
 )
 def test_pool_refuses_a_value_that_cannot_cross_the_wire(pool, fresh, entry):
     td = actions(2).set("extra", entry())

@@ -17,7 +17,7 @@ argument::
     ├── InputError (ValueError)          a send's input that can never work, refused at the send
     │                                    (and, with strict_inputs, one off its spec)
     │   ├── MissingKeyError (KeyError)   an entry the envs need is missing (the action)
-    │   └── BatchSizeMismatchError (RuntimeError)
+    │   └── BatchSizeMismatchError (RuntimeError, IndexError)
     │                                    rows that do not match env_index
     ├── RegistrationError (RuntimeError) a worker refused, or slots left unfilled
     ├── EnvError (RuntimeError)          an env raised in a worker; carries its traceback
@@ -91,12 +91,14 @@ class MissingKeyError(InputError, KeyError):
     """
 
 
-class BatchSizeMismatchError(InputError, RuntimeError):
-    """A tensordict whose rows (its leading batch dim) do not match the env indices it is sent to.
+class BatchSizeMismatchError(InputError, RuntimeError, IndexError):
+    """A tensordict whose rows (its leading batch dim) do not match the env indices it is
+    sent to, or, on an env's own channel, that is not of the env's batch size.
 
     torchrl's pool raises ``RuntimeError`` (tensordict's "Received a new batch
     size"), as the pool's own sync calls do for a tensordict of another batch
-    size: this is a ``RuntimeError`` too.
+    size, and ``IndexError`` for an unbatched tensordict sent with a list of
+    env indices ("Incompatible dim"): this is both.
     """
 
 

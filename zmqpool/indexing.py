@@ -130,6 +130,7 @@ class EnvIndexer:
             tensordict = TensorDict(batch_size=self.env_batch_sizes[env], device=self.device)
         if tensordict is None:
             raise TypeError(f"a tensordict is needed to step env {env}")
+        self.check_own_row(env, tensordict)
         tensordict.set(ENV_INDEX, NonTensorData(env, batch_size=tensordict.batch_size))
         return lazy_stack([tensordict])  # unbind(0) gives the caller's tensordict back
 
@@ -139,6 +140,24 @@ class EnvIndexer:
             lead = sizes[0] if sizes else torch.Size()
             return TensorDict(batch_size=(len(env_index), *lead), device=self.device)
         return LazyStackedTensorDict(*[TensorDict(batch_size=b, device=self.device) for b in sizes])
+
+    def check_own_row(self, env: int, tensordict: Any) -> None:
+        """Refuse, before anything is written, a tensordict sent on env ``env``'s own channel
+        that is not one env's: of another batch size than the env's (the whole batch, say).
+
+        torchrl's pool raises a ``RuntimeError`` at the send, and the env would
+        raise anyway (``EnvBase.step`` checks the shape); refused here, the error
+        comes at the send, not at the recv after a round trip (and, with
+        ``on_env_error="restart"``, a restart).
+        """
+        expected = self.env_batch_sizes[env]
+        batch_size = getattr(tensordict, "batch_size", None)
+        if batch_size is not None and batch_size != expected:
+            raise BatchSizeMismatchError(
+                f"env {env}'s own channel takes that env's tensordict, of batch size "
+                f"{tuple(expected)}; got one of batch size {tuple(batch_size)} (send one row of "
+                "a batch, or the batch with env_index=[...])"
+            )
 
     @staticmethod
     def check_rows(env_idx: list[int], tensordict: TensorDictBase | None) -> None:

@@ -58,6 +58,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "complex64": torch.complex64,
     "complex128": torch.complex128,
+    # One byte each: their bytes travel as any other's (numpy has none of them).
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 #: The name each wire dtype travels as (a layout's ``"t"``, a spec's ``dtype``).
 DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}

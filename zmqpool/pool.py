@@ -660,7 +660,11 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             if envs_to_reset(tensordict, self.reset_keys, self.num_envs) is not None:
                 # A "_reset" mask: EnvBase's reset, as SerialEnv's, whose _reset resets the
                 # envs it selects only. torchrl's pool resets every env (zmqpool.partial).
-                return EnvBase.reset(self, tensordict, **kwargs)
+                out = EnvBase.reset(self, tensordict, **kwargs)
+                # Rows are envs by position, as in every sync call: EnvBase keeps the rows
+                # not reset from the input, whose "env_index" may name them in another order.
+                self._assembler.set_env_index(out, list(range(self.num_envs)))
+                return out
         keywords = reset_kwargs(kwargs, self.num_envs)  # refused before anything is sent
         # torchrl's reset checks this first, with a plain RuntimeError: ours is the
         # EnvBusyError (a RuntimeError) of every other sync call's refusal.
