@@ -22,6 +22,7 @@ def test_public_names_are_pinned():
         "ProtocolError",
         "RecvTimeoutError",
         "RegistrationError",
+        "RemoteWorkerDeadError",
         "TooFewInFlightError",
         "VersionMismatchError",
         "ZMQAsyncEnvPool",
@@ -43,6 +44,7 @@ def test_error_tree_keeps_torchrl_compatible_bases():
     for base in (zmqpool.InputError, ValueError, RuntimeError):
         assert issubclass(zmqpool.BatchSizeMismatchError, base)
     assert issubclass(zmqpool.CrashLoopError, zmqpool.EnvLostError)
+    assert issubclass(zmqpool.RemoteWorkerDeadError, zmqpool.EnvLostError)
     assert issubclass(zmqpool.RecvTimeoutError, TimeoutError)
     assert issubclass(zmqpool.EnvBusyError, RuntimeError)
     assert issubclass(zmqpool.TooFewInFlightError, RuntimeError)
@@ -71,6 +73,7 @@ def test_every_public_error_survives_pickling():
         zmqpool.EnvLostError: zmqpool.EnvLostError([2, 5], "worker died"),
         zmqpool.CrashLoopError: zmqpool.CrashLoopError((4,), "restarted 3 times in 60 s"),
         zmqpool.NothingInFlightError: zmqpool.NothingInFlightError("env 1: nothing in flight"),
+        zmqpool.RemoteWorkerDeadError: zmqpool.RemoteWorkerDeadError([3], "actor killed"),
     }
     classes = [getattr(zmqpool, name) for name in zmqpool.__all__]
     classes = [c for c in classes if isinstance(c, type) and issubclass(c, BaseException)]

@@ -23,9 +23,16 @@ import time
 import pytest
 import ray
 import torch
+from tensordict import TensorDict
 
 from tests.exactly_once import ExactlyOnce
-from zmqpool import PoolConfig, RegistrationError, ZMQAsyncEnvPool
+from zmqpool import (
+    PoolConfig,
+    RecvTimeoutError,
+    RegistrationError,
+    RemoteWorkerDeadError,
+    ZMQAsyncEnvPool,
+)
 from zmqpool.ray_workers import RayWorkers
 from zmqpool.testing import CountingEnv
 
@@ -200,3 +207,127 @@ def test_a_trainer_that_exits_without_close_after_ray_leaves_nothing_behind(ray_
     assert "Error" not in run.stderr, run.stderr[-3000:]
     pid = json.loads(run.stdout.strip().splitlines()[-1])["pid"]
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"zmqp-{pid}-*"))
+
+
+#: Far below the 10 s silence plus the 60 s rejoin_timeout_s a dead actor's envs waited before.
+DEAD_FOR_GOOD_WITHIN_S = 8.0
+
+
+def step_envs(pool, envs: list[int]) -> None:
+    """A step for each env of ``envs``, each on its own channel (``recv_env``)."""
+    for env in envs:
+        pool.async_step_send(TensorDict({"action": torch.ones(1)}, []), env_index=env)
+
+
+def recv_env(pool, env: int, timeout_s: float = 30.0):
+    return pool.async_step_recv(env_index=env, timeout=timeout_s)
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> None:
+    """Until process ``pid`` (on this node) is gone or a zombie."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs after {timeout_s} s")
+
+
+def wait_until_lost(pool, env: int, since: float, within_s: float) -> float:
+    """Receive env ``env``'s step until it raises (not caught here); fail after ``within_s``."""
+    while time.monotonic() - since < within_s:
+        try:
+            out = recv_env(pool, env, timeout_s=0.5)
+        except RecvTimeoutError:  # no answer yet: look again
+            continue
+        raise AssertionError(f"env {env} answered: {out}")
+    raise AssertionError(f"env {env} was not lost within {within_s} s")
+
+
+def test_an_actor_ray_will_not_restart_fails_its_envs_at_once_saying_why(ray_cluster):
+    # ray.kill(handle) ends an actor for good (no_restart=True): its env's step fails
+    # within seconds with Ray's reason, not after the silence and rejoin_timeout_s.
+    workers = RayWorkers("zmqpool.testing:CountingEnv", count=2, num_cpus=0.5, max_restarts=-1)
+    pool = ZMQAsyncEnvPool([], remote_workers=workers, bind="tcp://127.0.0.1:*", config=CONFIG)
+    try:
+        pool.reset()
+        handle = workers.actors[0]  # hosts env 0
+        pid = workers.actor_pids()[0]
+        ray.kill(handle)
+        killed = time.monotonic()
+        wait_for_exit(pid, 10.0)  # the step below cannot be answered before it died
+        step_envs(pool, [0, 1])
+        assert int(recv_env(pool, 1)["env_index"]) == 1  # the other actor steps on
+        with pytest.raises(RemoteWorkerDeadError) as caught:
+            wait_until_lost(pool, 0, killed, DEAD_FOR_GOOD_WITHIN_S)
+        waited = time.monotonic() - killed
+        message = str(caught.value)
+        assert caught.value.env_indices == [0], message
+        assert "Ray actor 0" in message and "ray.kill" in message, message
+        assert waited < DEAD_FOR_GOOD_WITHIN_S, f"lost after {waited:.1f} s"
+        print(f"ray.kill to RemoteWorkerDeadError: {waited:.1f} s")
+        with pytest.raises(RemoteWorkerDeadError):  # later calls on the env fail alike
+            step_envs(pool, [0])
+        for _ in range(3):
+            step_envs(pool, [1])
+            assert int(recv_env(pool, 1)["env_index"]) == 1
+    finally:
+        pool.close()
+    assert workers.actors == []
+
+
+def test_an_env_maker_that_fails_on_ray_restart_loses_its_envs_with_the_makers_error(
+    ray_cluster, tmp_path
+):
+    # The actor's process dies; Ray restarts it, and its env maker raises this time.
+    # Ray does not restart a failed constructor: the env's error says what the maker raised.
+    flag = tmp_path / "fail"
+    kwargs = [{"fail_if_exists": str(flag)}, {}]
+    workers = RayWorkers(
+        "tests.test_ray:maker_failing_on_restart", count=2, env_kwargs=kwargs, num_cpus=0.5
+    )
+    pool = ZMQAsyncEnvPool([], remote_workers=workers, bind="tcp://127.0.0.1:*", config=CONFIG)
+    try:
+        pool.reset()
+        flag.touch()
+        os.kill(workers.actor_pids()[0], signal.SIGKILL)
+        killed = time.monotonic()
+        step_envs(pool, [0])
+        with pytest.raises(RemoteWorkerDeadError) as caught:  # Ray starts a process first
+            wait_until_lost(pool, 0, killed, 30.0)
+        message = str(caught.value)
+        assert "maker refused: the flag file is there" in message, message
+        print(f"SIGKILL to RemoteWorkerDeadError: {time.monotonic() - killed:.1f} s")
+        step_envs(pool, [1])
+        assert int(recv_env(pool, 1)["env_index"]) == 1
+    finally:
+        pool.close()
+
+
+def test_an_actor_past_its_max_restarts_fails_its_envs_saying_so(ray_cluster):
+    workers = RayWorkers("zmqpool.testing:CountingEnv", count=2, num_cpus=0.5, max_restarts=0)
+    pool = ZMQAsyncEnvPool([], remote_workers=workers, bind="tcp://127.0.0.1:*", config=CONFIG)
+    try:
+        pool.reset()
+        os.kill(workers.actor_pids()[1], signal.SIGKILL)  # hosts env 1
+        killed = time.monotonic()
+        step_envs(pool, [1])
+        with pytest.raises(RemoteWorkerDeadError) as caught:
+            wait_until_lost(pool, 1, killed, DEAD_FOR_GOOD_WITHIN_S)
+        message = str(caught.value)
+        assert "Ray actor 1" in message and "max_restarts=0 exhausted" in message, message
+        step_envs(pool, [0])
+        assert int(recv_env(pool, 0)["env_index"]) == 0
+    finally:
+        pool.close()
+
+
+def maker_failing_on_restart(fail_if_exists: str | None = None) -> CountingEnv:
+    """A ``CountingEnv`` whose maker raises once ``fail_if_exists`` exists (on a restart)."""
+    if fail_if_exists is not None and os.path.exists(fail_if_exists):
+        raise RuntimeError("maker refused: the flag file is there")
+    return CountingEnv()

@@ -26,7 +26,8 @@ argument::
     │   └── EnvMakerError                the env maker itself raised
     │       └── EnvMakerValueError (ValueError), EnvMakerImportError (ImportError)...
     ├── EnvLostError (RuntimeError)      an env's worker died and could not be brought back
-    │   └── CrashLoopError               restarts exceeded the configured limit
+    │   ├── CrashLoopError               restarts exceeded the configured limit
+    │   └── RemoteWorkerDeadError        its launcher says a remote worker is dead for good
     ├── PoolClosedError (RuntimeError)   a recv on a closed pool, or one forked from
     ├── RecvTimeoutError (TimeoutError)  a recv's ``timeout`` passed before ``min_get`` results
     ├── EnvBusyError (RuntimeError)      a send (or a seed) to envs still processing a command
@@ -271,6 +272,15 @@ class EnvLostError(ZMQPoolError, RuntimeError):
 
 class CrashLoopError(EnvLostError):
     """An env restarted more than ``max_restarts`` times within ``restart_window_s``."""
+
+
+class RemoteWorkerDeadError(EnvLostError):
+    """A launched remote worker is dead for good, as its launcher reports (``poll_lost``).
+
+    For :class:`~zmqpool.ray_workers.RayWorkers`: a Ray actor Ray will not
+    restart (ended by ``ray.kill``, past its ``max_restarts``, or its env maker
+    raised when Ray restarted it). The message names the actor and Ray's reason.
+    """
 
 
 class PoolClosedError(ZMQPoolError, RuntimeError):

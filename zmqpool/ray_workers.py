@@ -45,6 +45,14 @@ class LaunchContext:
     default_dtype: str = "float32"  # torch's, for the envs: the trainer's at construction
 
 
+@dataclasses.dataclass(frozen=True)
+class LostWorker:
+    """A launched worker that is dead for good: its slots, and why (for the envs' error)."""
+
+    slots: list[int]  # the env slots it hosted: the pool fails their requests
+    reason: str  # names the worker and why it will not come back
+
+
 class RemoteLauncher(Protocol):
     """What the pool needs of something that starts remote workers (``remote_workers=``).
 
@@ -52,6 +60,10 @@ class RemoteLauncher(Protocol):
     built, calls :meth:`start` once its TCP side is bound, :meth:`poll_failures`
     while it waits for registrations (it must not block), :meth:`failures` for
     its error message if they do not come in time, and :meth:`stop` when it closes.
+
+    Once built, the pool also calls :meth:`poll_lost`, if the launcher has it
+    (it is optional: a launcher without it is not asked), at most every
+    ``zmqpool.supervisor.LAUNCHER_CHECK_S`` from its pumps; it must not block.
     """
 
     @property
@@ -61,6 +73,15 @@ class RemoteLauncher(Protocol):
     def poll_failures(self) -> list[str]: ...
     def failures(self, wait_s: float = 0.0) -> list[str]: ...
     def stop(self) -> None: ...
+
+    def poll_lost(self) -> list[LostWorker]:
+        """Workers newly known to be dead for good (each reported once), without waiting.
+
+        Their envs' requests then fail with
+        :class:`~zmqpool.errors.RemoteWorkerDeadError`, not after the pool's
+        silence and ``rejoin_timeout_s``. Optional (see the class docstring).
+        """
+        ...
 
 
 class RayWorkers:
@@ -120,6 +141,7 @@ class RayWorkers:
         self._placement_group: Any = None
         # One status query in flight per actor, for poll_failures (index -> ObjectRef).
         self._status_queries: dict[int, Any] = {}
+        self._watch = _DeathWatch()  # poll_lost's
 
     @property
     def num_envs(self) -> int:
@@ -155,6 +177,7 @@ class RayWorkers:
                 ctx.default_dtype,
             )
             self.actors.append(handle)
+            self._watch.add(handle, slots, f"Ray actor {i} (ray-{run}-{i}, envs {slots})")
         log.info(
             "started %d Ray actors for env slots %s (connecting to %s)",
             self.count,
@@ -232,6 +255,25 @@ class RayWorkers:
                 found.append(status["failure"])
         return found
 
+    def poll_lost(self) -> list[LostWorker]:
+        """Actors newly known to be dead for good, and Ray's reason; without waiting.
+
+        See :class:`_DeathWatch`. With a finite ``max_restarts``, an actor whose
+        process died says so ("max_restarts=N exhausted").
+        """
+        if not self._watch.watched:
+            return []
+        lost = self._watch.poll(_ray())
+        limit = self.options["max_restarts"]
+        if limit >= 0:
+            lost = [
+                LostWorker(w.slots, f"{w.reason} (max_restarts={limit} exhausted)")
+                if "worker process has died" in w.reason
+                else w
+                for w in lost
+            ]
+        return lost
+
     def actor_pids(self, timeout_s: float = 30.0) -> list[int]:
         """The process id of each actor now (a restarted actor has a new one)."""
         ray = _ray()
@@ -246,6 +288,7 @@ class RayWorkers:
         if not ray.is_initialized():  # Ray shut down first (at exit): it ended the actors
             self.actors = []
             self._status_queries.clear()
+            self._watch = _DeathWatch()
             self._placement_group = None
             return
         for handle in self.actors:
@@ -255,6 +298,7 @@ class RayWorkers:
                 log.debug("could not kill a Ray actor: %s", err)
         self.actors = []
         self._status_queries.clear()
+        self._watch = _DeathWatch()
         if self._placement_group is not None:
             try:
                 ray.util.remove_placement_group(self._placement_group)
@@ -264,6 +308,76 @@ class RayWorkers:
 
     def __repr__(self) -> str:
         return f"RayWorkers({self.env!r}, count={self.count}, envs_per_actor={self.envs_per_actor})"
+
+
+class _DeathWatch:
+    """Finds which actors are dead for good, from status queries' answers already in.
+
+    Each watched actor has one ``status`` query in flight; :meth:`poll` looks at
+    the answered ones (``ray.wait`` with no timeout) and asks again. A query
+    that fails is not a verdict by itself: it may have been in flight when the
+    process died, and Ray restarts it (``max_restarts``). Ray queues a query
+    sent to an actor it is restarting, and fails at once, with
+    ``ActorDiedError``, one sent to an actor it will not restart; so a query
+    sent after one failed with ``ActorDiedError``, failing with it too, is the
+    verdict. ``ActorUnavailableError`` ("the actor is restarting") never
+    counts. A failed constructor (``actor_init_failed``: the env maker raised
+    when Ray restarted it) is a verdict at once: Ray does not restart those.
+    An answered query clears the actor's first failure.
+    """
+
+    def __init__(self) -> None:
+        #: Per watched actor (by index): its handle, slots and name.
+        self.watched: dict[int, tuple[Any, list[int], str]] = {}
+        self._queries: dict[int, Any] = {}  # index -> the ObjectRef in flight
+        self._failed_once: set[int] = set()
+
+    def add(self, handle: Any, slots: list[int], name: str) -> None:
+        self.watched[len(self.watched)] = (handle, list(slots), name)
+
+    def poll(self, ray: Any) -> list[LostWorker]:
+        died = getattr(ray.exceptions, "ActorDiedError", ray.exceptions.RayActorError)
+        for i, (handle, _, _) in self.watched.items():
+            if i not in self._queries:
+                self._queries[i] = handle.status.remote(0.0)
+        refs = list(self._queries.values())
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        answered_ids = {ref.hex() for ref in answered}
+        lost = []
+        for i, ref in list(self._queries.items()):
+            if ref.hex() not in answered_ids:
+                continue
+            del self._queries[i]
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as err:
+                _, slots, name = self.watched[i]
+                if not isinstance(err, died):  # unavailable for now, restarting: no verdict
+                    log.debug("%s: a status query failed, not dead: %s", name, err)
+                elif getattr(err, "actor_init_failed", False) or i in self._failed_once:
+                    reason = f"{name} is dead for good: {_death_reason(err)}"
+                    log.error("%s", reason)
+                    del self.watched[i]  # reported once
+                    self._failed_once.discard(i)
+                    lost.append(LostWorker(slots, reason))
+                else:
+                    log.debug("%s: a status query failed (restarting?): %s", name, err)
+                    self._failed_once.add(i)
+                continue
+            self._failed_once.discard(i)
+        return lost
+
+
+def _death_reason(err: BaseException) -> str:
+    """Ray's reason an actor died: its "The actor ... because ..." line; a failed
+    constructor's exception (the env maker's, e.g. ``TypeError: ...``) too."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    because = [line for line in lines if line.startswith("The actor") and "because" in line]
+    text = because[-1] if because else (lines[0] if lines else type(err).__name__)
+    text = text.split(" Some common causes include")[0]  # Ray's generic advice
+    if getattr(err, "actor_init_failed", False):
+        text = "its env maker raised when Ray (re)started it: " + (lines[-1] if lines else text)
+    return f"{type(err).__name__}: {text}"
 
 
 def _describe(err: BaseException) -> str:

@@ -496,6 +496,8 @@ class Roster:
         for index in envs:
             env = self.envs[index]
             env.phase, env.lost, env.link = EnvPhase.LOST, error, None
+            env.vacant_since = None  # a vacancy lost before it expired: not reported again
+            self._vacant.pop(index, None)
             self.lost.add(index)
             if env.holder is not None and env.holder.local_index is not None:
                 env.holder.phase = WorkerPhase.LOST

@@ -272,6 +272,7 @@ class Runtime:
             self.dispatch,
             self._ask_rejoin,
             self.remote_failures,
+            plan.launchers,
         )
         if plan.restart_on_env_error:
             self.intake.on_env_error = self.supervisor.on_env_error

@@ -13,7 +13,10 @@ With ``on_env_error="restart"`` an env that raises is handled like a crash.
 A remote worker cannot be restarted from here: when it goes silent its slots
 are vacated and wait ``rejoin_timeout_s`` for it (or a replacement) to
 register again; past that, their requests fail with
-:class:`~zmqpool.errors.EnvLostError`.
+:class:`~zmqpool.errors.EnvLostError`. A launcher that knows its worker is
+dead for good (a Ray actor Ray will not restart: ``RemoteLauncher.poll_lost``)
+has its envs failed at once instead, with
+:class:`~zmqpool.errors.RemoteWorkerDeadError` and its reason.
 
 Requests in flight on a dead worker stay in the :class:`~zmqpool.state.Ledger`.
 When the new process registers, each is sent again with a new sequence number
@@ -28,10 +31,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from zmqpool.config import PoolConfig
-from zmqpool.errors import CrashLoopError, EnvError, EnvLostError
+from zmqpool.errors import CrashLoopError, EnvError, EnvLostError, RemoteWorkerDeadError
 from zmqpool.events import Event, ProcessExited, WorkerFailed, WorkerRegistered
 from zmqpool.launcher import ForkServerStarting, describe_status
 from zmqpool.policy import Liveness, RestartPolicy
@@ -39,7 +43,14 @@ from zmqpool.remote_failures import RemoteFailures
 from zmqpool.roster import Roster, WorkerPhase, WorkerRecord
 from zmqpool.state import STEPS, Ledger, Pending
 
+if TYPE_CHECKING:
+    from zmqpool.ray_workers import RemoteLauncher
+
 log = logging.getLogger("zmqpool")
+
+#: How often, at most, remote launchers are asked which of their workers are dead
+#: for good (``RemoteLauncher.poll_lost``: a look at answers already in, no wait).
+LAUNCHER_CHECK_S = 0.5
 
 #: How often, at most, the envs' requests in flight are checked against
 #: ``PoolConfig.step_timeout_s`` (or a tenth of it, if shorter): the check
@@ -60,6 +71,9 @@ class Supervisor:
         ask_rejoin: asks a remote worker that was set aside to register again.
         remote_failures: why remote workers could not start, named when envs
             waiting for one are lost.
+        launchers: the pool's remote launchers; those with ``poll_lost`` are
+            asked, every :data:`LAUNCHER_CHECK_S` at most, which workers are dead
+            for good.
     """
 
     def __init__(
@@ -72,6 +86,7 @@ class Supervisor:
         dispatch: Dispatch,
         ask_rejoin: Callable[[WorkerRecord], None] = lambda record: None,
         remote_failures: RemoteFailures | None = None,
+        launchers: Sequence[RemoteLauncher] = (),
     ) -> None:
         self.roster = roster
         self.ledger = ledger
@@ -81,6 +96,9 @@ class Supervisor:
         self.dispatch = dispatch
         self.ask_rejoin = ask_rejoin
         self.remote_failures = RemoteFailures() if remote_failures is None else remote_failures
+        #: The launchers that can say a worker is dead for good (poll_lost is optional).
+        self._watched = [la for la in launchers if callable(getattr(la, "poll_lost", None))]
+        self._next_launcher_check = float("-inf") if self._watched else float("inf")
         self.policy = RestartPolicy(
             config.max_restarts,
             config.restart_window_s,
@@ -190,6 +208,7 @@ class Supervisor:
             self.roster.next_respawn(),
             self.roster.next_register_deadline(self.config.register_timeout_s),
             self._next_late_at,
+            self._next_launcher_check,
         )
 
     def tick(self, now: float, judge_lateness: bool = True) -> None:
@@ -220,6 +239,45 @@ class Supervisor:
             else:
                 self._kill(quiet, silence, "")
         self._expire_vacancies(now)
+        if now >= self._next_launcher_check:
+            self._next_launcher_check = now + LAUNCHER_CHECK_S
+            self._check_launchers(now)
+
+    def _check_launchers(self, now: float) -> None:
+        """Fail at once the envs of remote workers their launcher says are dead for good.
+
+        ``poll_lost`` does not block (answers already in). A launcher that
+        raises is logged and asked again next time: its envs then fall back on
+        the silence and ``rejoin_timeout_s``, as without ``poll_lost``.
+        """
+        for launcher in self._watched:
+            try:
+                lost = launcher.poll_lost()
+            except Exception as err:
+                log.warning("could not ask %r for its dead workers: %s", launcher, err)
+                continue
+            for worker in lost:
+                self._lose_remote(list(worker.slots), f"{launcher!r}: {worker.reason}", now)
+
+    def _lose_remote(self, envs: list[int], why: str, now: float) -> None:
+        """A remote worker is dead for good: its envs' requests fail with ``why``.
+
+        A worker still registered (the pool has not heard its silence yet) is
+        unlinked first, so that neither the silence nor ``rejoin_timeout_s``
+        report its envs again.
+        """
+        envs = [e for e in envs if e not in self.roster.lost]
+        if not envs:
+            return
+        for record in {self.roster.envs[e].holder for e in envs} - {None}:
+            assert record is not None
+            if record.remote and record.phase is WorkerPhase.LIVE:
+                self.liveness.forget(record.identity)
+                self.roster.vacate(record, now, why)
+            if record.remote:
+                record.phase = WorkerPhase.LOST
+        log.error("envs %s are lost: %s", envs, why)
+        self._fail(envs, RemoteWorkerDeadError(envs, why))
 
     def vacate(self, record: WorkerRecord, now: float, cause: str) -> None:
         """A remote worker went silent or hung: keep its requests, wait for it to rejoin.
