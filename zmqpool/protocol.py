@@ -473,6 +473,7 @@ def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
     """
     last = len(frames) - 1
     send = sock.send
+    flags = int(flags)  # zmq.NOBLOCK is an IntFlag: ``int | IntFlag`` is enum's Python code
     more = _SNDMORE | flags
     for i, frame in enumerate(frames):
         part_flags = more if i < last else flags
