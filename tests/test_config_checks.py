@@ -12,6 +12,8 @@ import time
 import pytest
 
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool.broker import Broker
+from zmqpool.endpoints import Endpoints, tcp_endpoints
 from zmqpool.testing import CountingEnv
 
 NAN, INF = math.nan, math.inf
@@ -107,15 +109,34 @@ def test_a_maker_that_is_not_callable_is_refused_before_any_process_starts(maker
         ({"stack": "weird"}, NotImplementedError, "stack must be 'dense'"),  # torchrl's type
         ({"remote_envs": 1, "bind": "garbage", "insecure": True}, ValueError, "tcp://HOST:PORT"),
         (
+            {"remote_envs": 1, "bind": "tcp://127.0.0.1:65534", "insecure": True},
+            ValueError,
+            "leaves no room for the results and heartbeat ports",
+        ),
+        (
             {"remote_envs": 1, "bind": "tcp://127.0.0.1:*", "curve_keys": "/nonexistent/keys"},
             FileNotFoundError,
             "is not a directory",
         ),
     ],
-    ids=["remote_envs-str", "remote_envs-negative", "stack", "bind", "curve_keys"],
+    ids=["remote_envs-str", "remote_envs-negative", "stack", "bind", "bind-port", "curve_keys"],
 )
 def test_bad_pool_arguments_are_refused_before_any_process_starts(kwargs, error, says):
     start = time.monotonic()
     with pytest.raises(error, match=says):
         ZMQAsyncEnvPool([CountingEnv], **kwargs)
     assert time.monotonic() - start < 1.0  # no worker was started first
+
+
+def test_bind_port_0_gives_every_remote_port_one_the_os_chooses():
+    # Session 62's audit: port 0 put the results and heartbeat ports on ports 1 and 2,
+    # which a trainer run as root took.
+    broker = Broker(PoolConfig(), Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+    try:
+        broker.bind_remote(tcp_endpoints("tcp://127.0.0.1:0"), None, 1 << 16)
+        assert broker.tcp is not None
+        endpoints = (broker.tcp.router, broker.tcp.results, broker.tcp.beats)
+        ports = [int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints]
+        assert len(set(ports)) == 3 and min(ports) > 1024, ports
+    finally:
+        broker.close()

@@ -32,16 +32,29 @@ class Endpoints:
 
 
 def tcp_endpoints(bind: str) -> Endpoints:
-    """``tcp://HOST:PORT`` -> router on PORT, results on PORT+1, beats on PORT+2 (``*``: any)."""
+    """``tcp://HOST:PORT`` -> router on PORT, results on PORT+1, beats on PORT+2.
+
+    ``*`` or ``0`` (the operating system's "any free port"): each on a port of
+    its own choosing, which WELCOME tells each worker. (Port 0 used to put the
+    results and heartbeat ports on ports 1 and 2: a root trainer took them.)
+    """
     if not bind.startswith("tcp://") or ":" not in bind[6:]:
         raise ValueError(f"bind must look like tcp://HOST:PORT, got {bind!r}")
     host, port = bind[6:].rsplit(":", 1)
-    if port == "*":
-        return Endpoints(bind, f"tcp://{host}:*", f"tcp://{host}:*")
-    if not port.isdigit():
+    if not (port == "*" or port.isdigit()):
         raise ValueError(f"bind port must be a number or *, got {port!r}")
+    if port == "*" or int(port) == 0:
+        return Endpoints(f"tcp://{host}:*", f"tcp://{host}:*", f"tcp://{host}:*")
     base = int(port)
+    if base > _MAX_PORT - 2:
+        raise ValueError(
+            f"bind port {base} leaves no room for the results and heartbeat ports "
+            f"({base + 1}, {base + 2}): give at most {_MAX_PORT - 2}, or *"
+        )
     return Endpoints(bind, f"tcp://{host}:{base + 1}", f"tcp://{host}:{base + 2}")
+
+
+_MAX_PORT = 65535
 
 
 def make_private_dir() -> str:
