@@ -58,6 +58,7 @@ from zmqpool.limits import (
     remote_piece_bytes,
 )
 from zmqpool.protocol import recv_frames, send_frames
+from zmqpool.reclaim import HandshakeWatch
 from zmqpool.security import ServerKeys, make_server, serve_domain, start_authenticator
 from zmqpool.wire import Command, Header
 
@@ -108,6 +109,8 @@ class Broker:
         self.context = _io_context(config.io_thread_batch_sched)
         self.epoch = os.urandom(8)  # tells workers that this is a new pool (a restarted trainer)
         self.poller = zmq.Poller()
+        #: The TCP sockets' failed handshakes, and the allocator trimmed after them.
+        self.handshakes = HandshakeWatch()
         self.auth: Any = None  # the ZAP thread, with CURVE on either side
         #: The local side's CURVE pair over loopback TCP (None over ipc).
         self.local_keys: ServerKeys | None = None
@@ -165,6 +168,9 @@ class Broker:
         side.results_ep = _bind(pull, endpoints.results)
         self.poller.register(router, zmq.POLLIN)
         self.poller.register(pull, zmq.POLLIN)
+        if tcp:  # any process that reaches the port may start a handshake: see zmqpool.reclaim
+            for sock in (router, pull):
+                self.poller.register(self.handshakes.watch(sock), zmq.POLLIN)
         return side
 
     def results_endpoint(self, limit: int) -> str:
@@ -296,10 +302,23 @@ class Broker:
                 drained &= _drain(side.pull, sink.on_result, side.remote)
             if side.router in events:
                 drained &= _drain(side.router, _Control(sink), side.remote)
+        if self.handshakes.monitors:
+            self._read_handshakes(events)
         for fd in events:
             if isinstance(fd, int):
                 sink.on_fd(fd)
         return drained
+
+    def _read_handshakes(self, events: dict[Any, int]) -> None:
+        """Take the TCP sockets' handshake events; trim the allocator once they stop."""
+        watch = self.handshakes
+        ready = [monitor for monitor in watch.monitors if monitor in events]
+        if not ready and not watch.pending:  # the usual poll: nothing to look at
+            return
+        now = time.monotonic()
+        for monitor in ready:
+            watch.read(monitor, now)
+        watch.maybe_trim(now)
 
     def close(self, leaving: Sequence[bytes] = (), wait_s: float = 0.0) -> None:
         """Close every socket, then stop the ZAP handler (never the other way round).
@@ -323,6 +342,7 @@ class Broker:
     def _close_sockets(self) -> None:
         if self.beacon is not None:
             self.beacon.stop()
+        self.handshakes.close()
         for side in (self.local, self.remote):
             if side is not None:
                 side.router.close(linger=0)
