@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import FAST, pids_alive
 from zmqpool import PoolConfig, ZMQAsyncEnvPool
+from zmqpool.launcher import ForkServerStarting, Launcher
 from zmqpool.testing import CountingEnv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,3 +189,23 @@ def gone_within(pid: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_construction_waits_while_a_replacement_fork_server_starts(monkeypatch):
+    # Session 62's audit: a fork server that died while a pool was being built let the
+    # launcher's internal ForkServerStarting (a bare RuntimeError) out of the constructor.
+    starting = iter(range(2))  # the first two starts find the replacement still importing
+    original = Launcher.start
+
+    def start(self, *args, **kwargs):
+        if next(starting, None) is not None:
+            raise ForkServerStarting("the replacement is still importing torch")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Launcher, "start", start)
+    pool = ZMQAsyncEnvPool([CountingEnv] * 2, config=FAST)
+    try:
+        assert pool.reset()["observation"].shape == (2, 4)
+    finally:
+        pool.close()
+    assert next(starting, None) is None  # it did wait them out

@@ -18,7 +18,13 @@ from tensordict import TensorDict
 
 import zmqpool.broker
 from tests.conftest import pids_alive
-from zmqpool import CrashLoopError, PoolConfig, ZMQAsyncEnvPool
+from zmqpool import (
+    CrashLoopError,
+    NothingInFlightError,
+    PoolConfig,
+    RecvTimeoutError,
+    ZMQAsyncEnvPool,
+)
 from zmqpool.roster import WorkerPhase, restart_seed
 from zmqpool.testing import CountingEnv, FaultyEnv
 
@@ -310,8 +316,13 @@ def test_crash_loop_raises_naming_the_env_and_spares_the_others():
         assert pool.env_stats()[0]["lost"]
         with pytest.raises(CrashLoopError):
             pool.async_step_send(actions([0.1]), env_index=[0])
+        start = time.monotonic()
+        with pytest.raises(CrashLoopError):  # at once, none seeded: it waited register_timeout_s
+            pool.set_seed(5)
+        assert time.monotonic() - start < 5.0
         pool.async_step_send(actions([0.3]), env_index=[1])  # the healthy env carries on
-        assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
+        out = pool.async_step_recv(min_get=1, timeout=60)
+        assert out["next", "observation"][0, 1] == 1 and out["next", "observation"][0, 3] == -1
         pool.close()  # the way back for a lost env: the next call starts every env again
         pool.async_step_send(actions([0.3]), env_index=[1])
         assert pool.async_step_recv(min_get=1, timeout=60)["next", "observation"][0, 1] == 1
@@ -626,5 +637,47 @@ def test_a_rebuilt_env_is_seeded_from_the_seed_set_seed_gave_it():
         out = pool.step(actions([0.1, 0.2]))
         assert pool.env_stats()[0]["restarts"] == 2
         assert _seed_in(out, 0) == 300.0
+    finally:
+        pool.close()
+
+
+class SeedStallsOnce(CountingEnv):
+    """A ``CountingEnv`` whose first ``set_seed`` takes ``stall_s`` (``flag``, a file, marks it)."""
+
+    def __init__(self, env_id: int = 0, stall_s: float = 0.0, flag: str = "") -> None:
+        super().__init__(env_id=env_id)
+        self.stall_s, self.flag = stall_s, flag
+
+    def _set_seed(self, seed):
+        if self.stall_s and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(self.stall_s)
+        super()._set_seed(seed)
+
+
+def test_a_seed_past_its_deadline_names_its_env_and_its_late_reply_is_dropped(tmp_path):
+    # Session 62's audit: set_seed raised the generic "async recv timed out", and the late
+    # reply stayed on env 0's own reset channel: every later set_seed was refused ("resets
+    # in flight") and async_reset_recv(env_index=0) returned it as a reset nobody sent.
+    config = PoolConfig(register_timeout_s=6.0, close_timeout_s=2.0)  # set_seed's deadline
+    stalled = {"env_id": 0, "stall_s": 9.0, "flag": str(tmp_path / "stalled")}
+    kwargs = [stalled, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(SeedStallsOnce, create_env_kwargs=kwargs, config=config)
+    try:
+        pool.reset()
+        with pytest.raises(RecvTimeoutError, match=r"env 0 did not answer its set_seed within"):
+            pool.set_seed(7)
+        with pytest.raises(NothingInFlightError):  # no reset was sent on env 0's channel
+            pool.async_reset_recv(env_index=0, timeout=1.0)
+        deadline = time.monotonic() + 30.0
+        while True:  # once the stall is over, the late reply goes and a seed comes back
+            try:
+                pool.set_seed(9)
+                break
+            except RecvTimeoutError:
+                assert time.monotonic() < deadline, "set_seed never went through"
+        seeds = pool.reset()["observation"][:, 3].tolist()
+        assert seeds[0] == 9 and seeds[1] != -1, seeds
+        assert pool.env_stats()[0]["in_flight"] == 0
     finally:
         pool.close()

@@ -65,7 +65,14 @@ from zmqpool.errors import (
 from zmqpool.events import Event, ProcessExited, WorkerFailed
 from zmqpool.gate import SHARED_SLICE_S, Gate
 from zmqpool.intake import Intake
-from zmqpool.launcher import Launcher, WorkerProcess, pickle_recipes, stop_all, worker_argv
+from zmqpool.launcher import (
+    ForkServerStarting,
+    Launcher,
+    WorkerProcess,
+    pickle_recipes,
+    stop_all,
+    worker_argv,
+)
 from zmqpool.layout import max_message_bytes
 from zmqpool.outbox import Outbox
 from zmqpool.policy import Liveness
@@ -292,13 +299,34 @@ class Runtime:
         """
         deadline = time.monotonic() + self.config.register_timeout_s
         for record in self.roster.local:
-            self.spawn(record)
+            self._spawn_by(record, deadline)
         self._await_registration(self.plan.num_local_envs, deadline)
         if self.plan.bind:
             self._bind_remote()
         self._await_registration(self.plan.num_envs, deadline)
         self._started = True
         return [env.spec for env in self.roster.envs]
+
+    def _spawn_by(self, record: WorkerRecord, deadline: float) -> None:
+        """:meth:`spawn`, waiting out a replacement fork server's start until ``deadline``.
+
+        A fork server that dies (or is given up on) while the pool starts is
+        replaced, and no worker can be forked while the new one imports torch
+        (:class:`~zmqpool.launcher.ForkServerStarting`, internal): construction
+        waits for it, and fails with a :class:`RegistrationError` saying so if
+        ``register_timeout_s`` runs out first.
+        """
+        while True:
+            try:
+                self.spawn(record)
+                return
+            except ForkServerStarting as starting:
+                if time.monotonic() + starting.retry_after_s >= deadline:
+                    raise RegistrationError(
+                        f"the worker of envs {record.envs} could not be started within "
+                        f"register_timeout_s ({self.config.register_timeout_s} s): {starting}"
+                    ) from None
+                time.sleep(starting.retry_after_s)
 
     def _make_broker(self) -> Broker:
         if self.plan.local_transport == "tcp":
@@ -834,14 +862,28 @@ class Runtime:
         """``SerialEnv.set_seed``: env 0 gets ``seed``, env ``i + 1`` what env ``i``'s returned.
 
         One env after the other, each on its own channel (a round trip each);
-        returns what the last one returned.
+        returns what the last one returned. A lost env is refused first, with its
+        error, before any env is seeded (it would never answer: the wait ran to
+        its end). An env that does not answer within ``register_timeout_s``
+        raises :class:`~zmqpool.errors.RecvTimeoutError` naming it, and its
+        late reply is dropped when it comes, not taken for a reset of that env.
         """
-        for env in range(self.plan.num_envs):
+        envs = range(self.plan.num_envs)
+        self.refuse_lost(envs)
+        for env in envs:
+            self.refuse_lost([env])  # lost while an env before it was seeded
             body = {"seed": seed, "static": static_seed}
             self.send(env, Command.SEED, None, True, body=body)
-            [reply] = self.collect(
-                (Kind.RESET, env), 1, 1, self.config.register_timeout_s, raise_error
-            )
+            channel: Channel = (Kind.RESET, env)
+            try:
+                [reply] = self.collect(channel, 1, 1, self.config.register_timeout_s, raise_error)
+            except RecvTimeoutError:
+                self.ledger.abandon(channel, env)
+                raise RecvTimeoutError(
+                    f"env {env} did not answer its set_seed within register_timeout_s "
+                    f"({self.config.register_timeout_s} s); envs {list(envs)[env + 1 :]} were "
+                    "not seeded (its reply, if it comes, is dropped)"
+                ) from None
             self.roster.seeded(env, seed)
             seed = _next_seed(reply)
         return seed

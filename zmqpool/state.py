@@ -78,6 +78,8 @@ class Pending:
     synth: bool = False  # sent as a reset to a restarted env: answer with a truncation
     #: Never sent (it cannot be): the error it is answered with, in its turn.
     held_error: Exception | None = None
+    #: Its caller gave up on it (a seed past its deadline): its reply is dropped.
+    abandoned: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -224,9 +226,24 @@ class Ledger:
         slot.answered_at, slot.answered_sent_at = now, pending.sent_at
         return pending
 
+    def abandon(self, channel: Channel, env: int) -> None:
+        """Give up on ``env``'s requests in flight on ``channel``: no recv waits for them,
+        and their replies are dropped when they come (the env answers in order)."""
+        for pending in self.slots[env].in_flight:
+            if pending.channel == channel and not pending.abandoned:
+                pending.abandoned = True
+                self._awaiting[channel] -= 1
+
     def deliver(self, reply: Reply, now: float | None = None) -> None:
-        """Make ``reply`` ready on its channel; ``now``: when it arrived (default: now)."""
+        """Make ``reply`` ready on its channel; ``now``: when it arrived (default: now).
+
+        The reply to an abandoned request is dropped instead (counted).
+        """
         pending = reply.pending
+        if pending.abandoned:
+            self.drop("the reply to a request its caller gave up on")
+            self._deliver_held(reply.env, now)
+            return
         if reply.error is None and pending.command in STEPS:
             self.slots[reply.env].steps += 1
         reply.ready_at = time.monotonic() if now is None else now
@@ -235,10 +252,14 @@ class Ledger:
             self.ready[pending.channel] = [reply]
         else:
             ready.append(reply)
-        in_flight = self.slots[reply.env].in_flight
-        if in_flight and in_flight[0].held_error is not None:  # its turn has come
+        self._deliver_held(reply.env, now)
+
+    def _deliver_held(self, env: int, now: float | None) -> None:
+        """The env's next request, if answered with an error already: its turn has come."""
+        in_flight = self.slots[env].in_flight
+        if in_flight and in_flight[0].held_error is not None:
             held = in_flight.popleft()
-            self.deliver(Reply(reply.env, held, error=held.held_error), now)
+            self.deliver(Reply(env, held, error=held.held_error), now)
 
     def take(self, channel: Channel, max_get: int | None) -> list[Reply]:
         """Up to ``max_get`` ready replies of a channel, oldest first."""
