@@ -16,8 +16,9 @@ from zmqpool.codec import Decoder, Encoder
 from zmqpool.errors import CrashLoopError, NoRoomError, RegistrationError
 from zmqpool.roster import EnvPhase, Link, Roster, WorkerPhase
 from zmqpool.specs import spec_to_data
-from zmqpool.state import Ledger
+from zmqpool.state import Kind, Ledger, Reply
 from zmqpool.testing import CountingEnv
+from zmqpool.wire import Command
 
 SPEC = CountingEnv().specs
 SPEC_DATA = spec_to_data(SPEC)
@@ -236,3 +237,23 @@ def test_refusals_are_logged_rationed_per_kind_and_key(caplog):
             warned.append(record.levelno == logging.WARNING)
     assert warned == [True, True, False, True, True, True]  # the last: K1's 4th of its kind
     assert ledger.refused == 6
+
+
+def test_requests_given_up_on_wait_for_no_recv_and_their_replies_are_dropped():
+    # set_seed past its deadline (session 62): its reply came later as a reset nobody sent.
+    ledger = Ledger(1)
+    channel = (Kind.RESET, 0)
+    late = ledger.open_request(0, Command.SEED, True, None, None, None, 0.0)
+    ledger.abandon(channel, 0)
+    assert ledger.awaiting(channel) == 0
+    nxt = ledger.open_request(0, Command.RESET, True, None, None, None, 0.0)
+    assert ledger.match(0, late.seq, 1.0) is late  # the env answers in order
+    ledger.deliver(Reply(0, late), 1.0)
+    assert ledger.count_ready(channel) == 0 and ledger.dropped
+    assert ledger.match(0, nxt.seq, 2.0) is nxt
+    ledger.deliver(Reply(0, nxt), 2.0)
+    assert [r.pending for r in ledger.take(channel, None)] == [nxt]
+    come_just_now = ledger.open_request(0, Command.SEED, True, None, None, None, 3.0)
+    ledger.deliver(Reply(0, ledger.match(0, come_just_now.seq, 3.0)), 3.0)
+    ledger.abandon(channel, 0)  # a reply already in is dropped as well
+    assert ledger.awaiting(channel) == 0 and ledger.count_ready(channel) == 0

@@ -227,12 +227,18 @@ class Ledger:
         return pending
 
     def abandon(self, channel: Channel, env: int) -> None:
-        """Give up on ``env``'s requests in flight on ``channel``: no recv waits for them,
-        and their replies are dropped when they come (the env answers in order)."""
+        """Give up on ``env``'s requests on ``channel``: no recv waits for them, those in
+        flight have their replies dropped when they come (the env answers in order), and
+        any that came just now are dropped too."""
         for pending in self.slots[env].in_flight:
             if pending.channel == channel and not pending.abandoned:
                 pending.abandoned = True
                 self._awaiting[channel] -= 1
+        ready = self.ready.get(channel, [])
+        for reply in [r for r in ready if r.env == env]:
+            ready.remove(reply)
+            self._awaiting[channel] -= 1
+            self.drop("the reply to a request its caller gave up on")
 
     def deliver(self, reply: Reply, now: float | None = None) -> None:
         """Make ``reply`` ready on its channel; ``now``: when it arrived (default: now).
