@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from zmqpool import codec
 from zmqpool.codec import ZERO_COPY_THRESHOLD, Decoder, Encoder
 from zmqpool.errors import ProtocolError, VersionMismatchError
 from zmqpool.limits import MAX_BATCH_BYTES, MAX_BATCH_FRAMES, MAX_BATCHED_MESSAGE_BYTES
@@ -655,3 +656,62 @@ def test_peeking_a_header_builds_none_of_a_peers_containers(peek):
     honest = Header(Command.RESULT, env=3, token=b"t" * 16).encode()
     assert peek_command(honest) is Command.RESULT
     assert peek_sender(honest) == (3, b"t" * 16)
+
+
+def _frame_bytes(part):
+    return [bytes(memoryview(f).cast("B")) for f in part.frames]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TensorDict(
+            {
+                "obs": torch.randn(4),
+                "reward": torch.ones(1),
+                "done": torch.zeros(1, dtype=torch.bool),
+            },
+            [],
+        ),
+        lambda: TensorDict(
+            {"big": torch.randn(ZERO_COPY_THRESHOLD // 4 + 1), "s": torch.tensor(3)}, []
+        ),
+        lambda: TensorDict({"b": torch.ones(2, 3, dtype=torch.int64), "a": torch.zeros(2)}, [2]),
+    ],
+    ids=["cheap-step", "own-frame-and-scalar", "batched"],
+)
+def test_a_known_flat_layout_encodes_to_the_same_frames_without_the_walk(make, monkeypatch):
+    encoder = Encoder()
+    first = encoder.encode(make())
+    td = make()
+    expected = _frame_bytes(Encoder().encode(td))  # a fresh encoder's walk
+    monkeypatch.setattr(codec, "flatten", _no_walk)  # the second time: found by its entries
+    again = encoder.encode(td)
+    monkeypatch.undo()
+    assert (again.layout_id, again.layout, again.new_layout) == (
+        first.layout_id,
+        first.layout,
+        None,
+    )
+    assert _frame_bytes(again) == expected
+    out = round_trip(td)
+    assert all(torch.equal(out[key], value) for key, value in td.items())
+
+
+def _no_walk(td):
+    raise AssertionError("flatten called for a layout the encoder knows")
+
+
+def test_tensordicts_that_are_not_flat_dense_tensors_keep_the_walk(monkeypatch):
+    walked = []
+    real = codec.flatten
+    monkeypatch.setattr(codec, "flatten", lambda td: walked.append(1) or real(td))
+    encoder = Encoder()
+    nested = TensorDict({"a": torch.ones(1), "next": TensorDict({"b": torch.ones(1)}, [])}, [])
+    with_data = TensorDict({"a": torch.ones(1)}, [])
+    with_data.set_non_tensor("note", "x")
+    sparse_free = TensorDict({"a": torch.nn.Parameter(torch.ones(1))}, [])  # a Tensor subclass
+    for td in (nested, with_data, sparse_free):
+        first, second = encoder.encode(td), encoder.encode(td)
+        assert _frame_bytes(first) == _frame_bytes(second)
+    assert len(walked) == 6  # each of them walked both times
