@@ -487,6 +487,19 @@ class TestCountingPool:
         o, z = pair.both(run)
         assert_same_td(o, z, f"step() with a {dtype} action for an int8 spec")
 
+    @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+    def test_a_float8_entry_in_a_step_comes_back_as_torchrls_does(self, pair, dtype):
+        # Session 62's audit: refused as "cannot cross the wire", where torchrl's pool passes it.
+        def run(p):
+            td = p.reset().set("action", torch.ones(N, 1, dtype=torch.int8))
+            td["extra"] = torch.tensor([[0.5], [1.0], [-2.0]]).to(dtype)
+            return p.step(td)
+
+        o, z = pair.both(run)
+        assert z["extra"].dtype == o["extra"].dtype == dtype
+        assert torch.equal(z["extra"].view(torch.uint8), o["extra"].view(torch.uint8))
+        assert_same_td(o.exclude("extra"), z.exclude("extra"), f"step() with a {dtype} entry")
+
     @pytest.mark.parametrize("shape", [(N, 1), (N,)], ids=["exact", "broadcast"])
     def test_step_takes_float_ones_of_a_broadcastable_shape(self, pair, shape):
         # torchrl's own TestAsyncEnvPool steps with torch.ones((*r.shape, 1)), a float32.
