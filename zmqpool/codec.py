@@ -206,9 +206,10 @@ class Encoder:
         TensorDict of top-level dense tensors only)."""
         if type(td) is not TensorDict or flat.nontensor_keys or flat.branches:
             return
+        if any(len(key) > 1 for key, _ in flat.tensors):  # a nested tensordict's leaves
+            return
         entries = tuple((key[0], t.dtype, t.shape) for key, t in flat.tensors)
-        if all(len(key) == 1 for key, _ in flat.tensors):
-            self._flat_ids[(td.batch_size, entries)] = known
+        self._flat_ids[(td.batch_size, entries)] = known
 
     def _encode_part(self, part: DecodedPart) -> EncodedPart:
         layout = part.layout

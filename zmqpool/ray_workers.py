@@ -355,8 +355,8 @@ class _DeathWatch:
                 if not isinstance(err, died):  # unavailable for now, restarting: no verdict
                     log.debug("%s: a status query failed, not dead: %s", name, err)
                 elif getattr(err, "actor_init_failed", False) or i in self._failed_once:
-                    reason = f"{name} is dead for good: {_death_reason(err)}"
-                    log.error("%s", reason)
+                    reason = f"{name} is dead for good: {_describe(err)}"
+                    log.debug("%s", reason)  # the pool logs it as an error, with its envs
                     del self.watched[i]  # reported once
                     self._failed_once.discard(i)
                     lost.append(LostWorker(slots, reason))
@@ -368,25 +368,16 @@ class _DeathWatch:
         return lost
 
 
-def _death_reason(err: BaseException) -> str:
-    """Ray's reason an actor died: its "The actor ... because ..." line; a failed
-    constructor's exception (the env maker's, e.g. ``TypeError: ...``) too."""
+def _describe(err: BaseException) -> str:
+    """One line for a dead actor: Ray's "The actor ... because ..." line (its first
+    otherwise), or, for a failed constructor, the env maker's exception (``TypeError: ...``)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     because = [line for line in lines if line.startswith("The actor") and "because" in line]
-    text = because[-1] if because else (lines[0] if lines else type(err).__name__)
+    text = because[-1] if because else (lines[0] if lines else "")
     text = text.split(" Some common causes include")[0]  # Ray's generic advice
-    if getattr(err, "actor_init_failed", False):
-        text = "its env maker raised when Ray (re)started it: " + (lines[-1] if lines else text)
+    if getattr(err, "actor_init_failed", False) and lines:
+        text = "its env maker raised when Ray (re)started it: " + lines[-1]
     return f"{type(err).__name__}: {text}"
-
-
-def _describe(err: BaseException) -> str:
-    """One line for a dead actor: Ray's first line and, for a failed constructor, its error."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    text = f"{type(err).__name__}: {lines[0] if lines else ''}"
-    if getattr(err, "actor_init_failed", False) and len(lines) > 1:
-        text += f" ... {lines[-1]}"  # the env maker's exception, e.g. TypeError: ...
-    return text
 
 
 def _kwargs_per_env(kwargs: Any, num_envs: int) -> list[dict[str, Any]]:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("zmqpool")
 
@@ -60,22 +59,17 @@ def _malloc_trim() -> Callable[[], Any] | None:
 
 
 class HandshakeWatch:
-    """Monitors for a pool's TCP sockets, and the trim once their failures stop.
+    """Monitors for a pool's TCP sockets, and the trim once their failures stop."""
 
-    Args:
-        trim: what gives freed memory back (default: ``malloc_trim(0)``, if the
-            C library has it; None: count only).
-    """
-
-    def __init__(self, trim: Callable[[], Any] | None = None) -> None:
-        self.trim = _malloc_trim() if trim is None else trim
+    def __init__(self) -> None:
+        #: glibc's ``malloc_trim(0)``; None where the C library has none (events are still read).
+        self.trim = _malloc_trim()
         self.monitors: list[zmq.Socket] = []
         #: Events seen since the last trim, and when the last one came (monotonic).
         self.pending = 0
         self.last_event_at = 0.0
-        #: Trims done, and the events they followed (for tests and logs).
+        #: Trims done.
         self.trims = 0
-        self.events_seen = 0
 
     def watch(self, sock: zmq.Socket) -> zmq.Socket:
         """A monitor of ``sock``'s handshake failures and disconnections, to poll."""
@@ -88,14 +82,12 @@ class HandshakeWatch:
         count = 0
         while count < _MAX_EVENTS_PER_POLL:
             try:
-                frames = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                monitor.recv_multipart(zmq.NOBLOCK)  # which event does not matter: each may
+            except zmq.Again:  # have left memory behind
                 break
-            parse_monitor_message(frames)  # checked: the monitor is ours, inproc
             count += 1
         if count:
             self.pending += count
-            self.events_seen += count
             self.last_event_at = now
 
     def maybe_trim(self, now: float) -> bool:
