@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from zmqpool.launcher import REPORT_WAIT_S, ForkedProcess, ForkServer
+from zmqpool.launcher import REPORT_WAIT_S, ForkedProcess, ForkServer, ForkServerDied
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTER_TIMEOUT_S = 8.0
@@ -191,4 +191,20 @@ def test_a_report_already_in_the_pipe_is_read_without_waiting():
         assert status is not None and status > 0, status  # its exit code (refused arguments)
         process.release()
     finally:
+        server.close()
+
+
+def test_a_fork_server_the_pool_killed_for_its_silence_is_not_said_to_have_been_killed():
+    """A zygote that does not answer is killed by the pool; its death's description said
+    "killed by SIGKILL", as if someone else had killed it, in the warning a user reads."""
+    deaths: list[str] = []
+    server = ForkServer(on_death=lambda dead: deaths.append(dead.describe()))
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        with pytest.raises(ForkServerDied, match=r"did not answer within 0\.5 s"):
+            server.start(["--no-such-flag"], b"", None, timeout_s=0.5)
+        assert deaths == ["killed by the pool: it did not answer within 0.5 s"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGKILL)
         server.close()

@@ -188,6 +188,39 @@ def test_two_threads_using_a_closed_pool_start_it_once():
         pool.close(raise_if_closed=False)
 
 
+def test_a_copy_shares_the_workers_and_closing_or_dropping_it_closes_the_original():
+    """``copy.copy(pool)`` shares the workers; closing the copy stopped them, and the
+    original's ``is_closed`` still said False. Each starts again on its next call."""
+    import copy
+    import gc
+
+    kwargs = [{"env_id": 0}, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=kwargs, config=FAST)
+    copies = []
+    try:
+        twin = copy.copy(pool)
+        copies.append(twin)
+        assert worker_pids(twin) == worker_pids(pool) and not pool.is_closed
+        old_pids = worker_pids(pool)
+        twin.close()
+        assert twin.is_closed and pool.is_closed and "closed" in repr(pool)
+        assert_workers_answer(pool)  # the original starts again, with workers of its own
+        assert not pool.is_closed and not set(worker_pids(pool)) & set(old_pids)
+        assert twin.is_closed  # the copy's next call would start its own
+        copies.clear()
+        del twin
+        dropped = copy.copy(pool)
+        del dropped
+        gc.collect()  # a dropped copy closes what it shares, as EnvBase.__del__ does
+        assert pool.is_closed
+        assert_workers_answer(pool)
+        assert not pool.is_closed
+    finally:
+        for twin in copies:
+            twin.close(raise_if_closed=False)
+        pool.close(raise_if_closed=False)
+
+
 def test_a_failed_start_again_leaves_the_pool_closed_and_the_next_call_tries_again(tmp_path):
     down = tmp_path / "down"
 

@@ -466,6 +466,7 @@ class ForkServer:
         self.closed = False  # our side of its pipes is closed
         self._eof = False  # its report pipe ended: it is dead
         self._closing = False
+        self._killed_because: str | None = None  # why the pool killed it, if it did
         self._spawned: list[int] = []
         self._partial = b""
         self._lock = FORK_LOCK
@@ -484,7 +485,9 @@ class ForkServer:
         return self.closed or self._eof or self.proc.poll() is not None
 
     def describe(self) -> str:
-        """How it ended (after its death): ``killed by SIGKILL``."""
+        """How it ended (after its death): ``killed by SIGKILL``, or why the pool killed it."""
+        if self._killed_because is not None:  # "killed by SIGKILL" alone would blame someone else
+            return f"killed by the pool: it {self._killed_because}"
         return describe_status(self.proc.poll())
 
     def start(
@@ -556,6 +559,7 @@ class ForkServer:
             select.select([], [fd], [], remaining)  # room, or its death (then EPIPE)
 
     def _unresponsive(self, what: str) -> NoReturn:
+        self._killed_because = what
         self.proc.kill()  # a zygote that does not answer is as good as dead
         self._read_reports(1.0)  # its end of file: on_death
         raise ForkServerDied(f"the fork server (pid {self.pid}) {what}")

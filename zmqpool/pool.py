@@ -303,6 +303,22 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
         # torchrl's `if not env.is_closed: env.close()` (Collector.shutdown) closes the pool.
         self.is_closed = False
 
+    @property
+    def is_closed(self) -> bool:
+        """Whether its workers are stopped: by its ``close()``, or by a copy's.
+
+        ``copy.copy(pool)`` shares the pool's workers (as torchrl's pool shares
+        its executor); closing or dropping the copy stops them, and the
+        original must say so, not only its ``repr``.
+        """
+        resources = self.__dict__.get("_resources")
+        closed = resources is not None and resources.closed
+        return self.__dict__.get("is_closed", True) or closed
+
+    @is_closed.setter
+    def is_closed(self, value: bool) -> None:
+        self.__dict__["is_closed"] = value  # where EnvBase.__del__ looks for it
+
     # ------------------------------------------------------------ set-up
 
     def _setup(self) -> tuple[Any, Any]:
