@@ -50,6 +50,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 #: How long the measured process may take to import and warm up under valgrind.
@@ -146,6 +147,15 @@ def run_worker_workload(command: str, rounds: int, handshake: Path | None) -> No
     """
     import tempfile as _tempfile
 
+    from zmqpool.wire import Command
+
+    # Removed after, as a test's --dry-run leaves nothing in /tmp (os._exit included).
+    with _tempfile.TemporaryDirectory(prefix="zmqpool-count-worker-") as folder:
+        _handle_rounds(Command[command], rounds, handshake, folder)
+
+
+def _handle_rounds(kind: Any, rounds: int, handshake: Path | None, folder: str) -> None:
+    """:func:`run_worker_workload` in ``folder`` (its sockets' ipc files)."""
     import torch
     import zmq
     from tensordict import TensorDict
@@ -156,8 +166,6 @@ def run_worker_workload(command: str, rounds: int, handshake: Path | None) -> No
     from zmqpool.testing import CountingEnv
     from zmqpool.wire import Command, Header, encode_message
 
-    kind = Command[command]
-    folder = _tempfile.mkdtemp(prefix="zmqpool-count-worker-")
     worker = Worker(f"ipc://{folder}/nobody", b"w0", EnvHost({0: CountingEnv(env_id=0)}))
     pull = worker.context.socket(zmq.PULL)
     pull.bind(f"ipc://{folder}/results")
@@ -186,8 +194,9 @@ def run_worker_workload(command: str, rounds: int, handshake: Path | None) -> No
         _wait_for(handshake / "go", READY_TIMEOUT_S)
     for frames in commands[WARMUP_ROUNDS * 10 :]:
         handle(frames)
-    print(f"done: {rounds} {command} commands", flush=True)
+    print(f"done: {rounds} {kind.name} commands", flush=True)
     if handshake is not None and _pidfd_missing():
+        shutil.rmtree(folder, ignore_errors=True)  # os._exit skips the with's clean-up
         os._exit(0)
     pull.close(linger=0)  # ours, in the worker's context: closed before it terminates that
     worker.close()

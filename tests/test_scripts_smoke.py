@@ -1,6 +1,7 @@
 """Every script in scripts/ runs with tiny sizes (bench and PPO have their own smoke tests)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,12 +28,14 @@ def test_count_instructions_runs_its_workload_without_valgrind():
 
 
 @pytest.mark.parametrize("command", ["STEP", "STEP_AND_MAYBE_RESET"])
-def test_count_instructions_runs_a_workers_workload_without_valgrind(command):
+def test_count_instructions_runs_a_workers_workload_without_valgrind(command, tmp_path):
     argv = [sys.executable, "scripts/count_instructions.py", "--dry-run", "--worker", command]
     argv += ["--rounds", "5"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert f"done: 5 {command} commands" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # its sockets' folder is removed (it was left)
 
 
 def test_count_instructions_reads_callgrinds_count_and_refuses_a_log_without_one():

@@ -224,7 +224,8 @@ def write_keys(directory: str | os.PathLike, workers: int, force: bool = False) 
 
     Example:
         >>> import tempfile, pathlib
-        >>> pairs = write_keys(pathlib.Path(tempfile.mkdtemp()) / "keys", workers=2)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     pairs = write_keys(pathlib.Path(tmp) / "keys", workers=2)
         >>> [p.name for p in pairs]
         ['server', 'worker-0', 'worker-1']
     """
