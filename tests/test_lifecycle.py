@@ -221,6 +221,16 @@ def test_a_copy_shares_the_workers_and_closing_or_dropping_it_closes_the_origina
         pool.close(raise_if_closed=False)
 
 
+def test_a_with_block_closes_the_pool_and_reaps_its_workers_even_when_it_raises():
+    kwargs = [{"env_id": 0}, {"env_id": 1}]
+    pool = ZMQAsyncEnvPool(CountingEnv, create_env_kwargs=kwargs, config=FAST)
+    with pytest.raises(KeyError, match="raised in the block"), pool as entered:
+        assert entered is pool and pool.reset()["observation"].shape[0] == 2
+        pids = worker_pids(pool)
+        raise KeyError("raised in the block")
+    assert pool.is_closed and len(pids) == 2 and pids_alive(pids) == []
+
+
 def test_a_failed_start_again_leaves_the_pool_closed_and_the_next_call_tries_again(tmp_path):
     down = tmp_path / "down"
 

@@ -68,6 +68,7 @@ from zmqpool.wire import Command
 log = logging.getLogger("zmqpool")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_Pool = TypeVar("_Pool", bound="ZMQAsyncEnvPool")
 
 
 def _exclusive(method: _Method) -> _Method:
@@ -1062,6 +1063,14 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
             with self._gate:  # not under another thread's feet: it sees the pool closed
                 self._resources.release()
         self.is_closed = True
+
+    def __enter__(self: _Pool) -> _Pool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with ZMQAsyncEnvPool(...) as pool:`` closes it at the block's end (as pyzmq's
+        sockets do; torchrl's pools are not context managers)."""
+        self.close(raise_if_closed=False)
 
     def __repr__(self) -> str:
         state = "closed" if self._resources.closed else "open"
