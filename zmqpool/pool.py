@@ -308,9 +308,8 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def is_closed(self) -> bool:
         """Whether its workers are stopped: by its ``close()``, or by a copy's.
 
-        ``copy.copy(pool)`` shares the pool's workers (as torchrl's pool shares
-        its executor); closing or dropping the copy stops them, and the
-        original must say so, not only its ``repr``.
+        ``copy.copy(pool)`` shares the pool's workers; closing or dropping the
+        copy stops them, and the original must say so, not only its ``repr``.
         """
         resources = self.__dict__.get("_resources")
         closed = resources is not None and resources.closed
