@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -28,14 +30,19 @@ def test_count_instructions_runs_its_workload_without_valgrind():
 
 
 @pytest.mark.parametrize("command", ["STEP", "STEP_AND_MAYBE_RESET"])
-def test_count_instructions_runs_a_workers_workload_without_valgrind(command, tmp_path):
+def test_count_instructions_runs_a_workers_workload_without_valgrind(command):
     argv = [sys.executable, "scripts/count_instructions.py", "--dry-run", "--worker", command]
     argv += ["--rounds", "5"]
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr
-    assert f"done: 5 {command} commands" in done.stdout
-    assert list(tmp_path.iterdir()) == []  # its sockets' folder is removed (it was left)
+    # Its own temporary folder, short: an ipc path is at most 107 bytes.
+    tmp = tempfile.mkdtemp(prefix="zc-", dir="/tmp")
+    try:
+        env = {**os.environ, "TMPDIR": tmp}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        assert f"done: 5 {command} commands" in done.stdout
+        assert os.listdir(tmp) == []  # its sockets' folder is removed (it was left)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_count_instructions_reads_callgrinds_count_and_refuses_a_log_without_one():

@@ -522,12 +522,12 @@ class ForkServer:
         except OSError as err:  # BrokenPipeError: it died since
             raise ForkServerDied(f"the fork server (pid {self.pid}) is dead: {err}") from err
         if not sent:  # half a request may be in its pipe: it cannot be used again anyway
-            self._unresponsive(f"did not read a fork request within {timeout_s} s")
+            self._unresponsive(self._silent("did not read a fork request", timeout_s))
         while not self._spawned:
             if not self.alive():
                 raise ForkServerDied(f"the fork server (pid {self.pid}) died while forking")
             if time.monotonic() > deadline:
-                self._unresponsive(f"did not answer within {timeout_s} s")
+                self._unresponsive(self._silent("did not answer", timeout_s))
             self._read_reports(0.1)
         pid = self._spawned.pop(0)
         try:
@@ -557,6 +557,11 @@ class ForkServer:
             if remaining <= 0:
                 return False
             select.select([], [fd], [], remaining)  # room, or its death (then EPIPE)
+
+    def _silent(self, what: str, timeout_s: float) -> str:
+        # It reads requests only once its imports are done: then "silent" means importing.
+        doing = "" if self.ready else ", still importing torch"
+        return f"{what} within {timeout_s} s{doing}"
 
     def _unresponsive(self, what: str) -> NoReturn:
         self._killed_because = what
