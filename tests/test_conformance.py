@@ -1901,6 +1901,35 @@ def test_unlike_envs_on_cpu_step_and_reset_and_roll_out_as_torchrls_pool():
     assert [td.device for td in got[:4]] == [td.device for td in expected[:4]]
 
 
+def test_an_env_whose_transform_excludes_terminated_keeps_its_specs_as_in_serial_env():
+    """``TransformedEnv(env, ExcludeTransform("terminated"))``: torchrl's pool completes its
+    done specs again and declares a "terminated" the envs never write, so its
+    ``fake_tensordict`` holds it and ``check_env_specs`` fails; SerialEnv's does not."""
+    from torchrl.envs import ExcludeTransform
+
+    def make():
+        return TransformedEnv(ZMQCountingEnv(max_steps=3), ExcludeTransform("terminated"))
+
+    def fake_keys(env) -> set:
+        return set(env.fake_tensordict().keys(True, True))
+
+    serial = SerialEnv(2, [make, make])
+    oracle = AsyncEnvPool([make, make], backend="threading")
+    pool = ZMQAsyncEnvPool([make, make], config=FAST)
+    try:
+        expected = fake_keys(serial)
+        assert "terminated" not in expected and "done" in expected
+        assert fake_keys(oracle) == expected | {"terminated", ("next", "terminated")}
+        assert fake_keys(pool) == expected
+        assert pool.done_keys == serial.done_keys == ["done", "truncated"]
+        check_env_specs(pool)
+        check_env_specs(serial)
+    finally:
+        serial.close(raise_if_closed=False)
+        oracle.close()
+        pool.close()
+
+
 def test_envs_whose_specs_differ_in_values_only_stack_densely_as_in_torchrls_pool():
     """Action bounds of ±1 and ±2, stack="dense" (the default): built, reset and stepped.
 

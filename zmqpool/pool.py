@@ -319,6 +319,31 @@ class ZMQAsyncEnvPool(AsyncEnvPool):
     def is_closed(self, value: bool) -> None:
         self.__dict__["is_closed"] = value  # where EnvBase.__del__ looks for it
 
+    def _create_done_specs(self) -> None:
+        """torchrl's completion of the done specs, without the entries it adds.
+
+        An env is built with its done specs completed (a "terminated" beside a
+        lone "done"); the pool's are its envs', completed already. Completing
+        them again declared a "terminated" an env whose transform excludes it
+        never writes: ``fake_tensordict`` held it and ``check_env_specs``
+        failed, where SerialEnv's does not complete them. A pool whose output
+        spec holds no done entries (a lazy stack of unlike envs' keeps them
+        in its envs' specs) is completed as torchrl's pool is: its rollouts
+        find their done keys there.
+        """
+        before = set(self.output_spec["full_done_spec"].keys(True, True))
+        super()._create_done_specs()
+        spec = self.output_spec["full_done_spec"]
+        added = set(spec.keys(True, True)) - before
+        if not before or not added:
+            return
+        locked = self.is_spec_locked  # type: ignore[has-type]  # torchrl sets it untyped
+        self.is_spec_locked = False
+        for key in added:
+            del spec[key]
+        self.output_spec["full_done_spec"] = spec
+        self.is_spec_locked = locked
+
     # ------------------------------------------------------------ set-up
 
     def _setup(self) -> tuple[Any, Any]:
