@@ -30,8 +30,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
-from torchrl.data import Bounded, NonTensor, Unbounded
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+)
+from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
+from torchrl.envs import EnvBase
 from torchrl.testing.mocking_classes import CountingEnv as TorchRLCountingEnv
 
 from zmqpool.testing import CountingEnv as ZMQCountingEnv
@@ -525,3 +532,42 @@ class GlobalRandomEnv(ZMQCountingEnv):
         out["observation"][4] = torch.rand((), dtype=torch.float64)
         out["observation"][5] = float(np.random.rand())
         return out
+
+
+class MaskedActionEnv(EnvBase):
+    """Four discrete actions of which two are allowed at each step (``action_mask``), in turn;
+    a masked action raises. Done after six steps."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=[])
+        self.action_spec = Categorical(4)
+        self.observation_spec = Composite(
+            observation=Unbounded(shape=(1,)),
+            action_mask=Categorical(2, shape=(4,), dtype=torch.bool),
+        )
+        self.reward_spec = Unbounded(shape=(1,))
+        self.count = 0
+
+    def _mask(self) -> torch.Tensor:
+        mask = torch.zeros(4, dtype=torch.bool)
+        mask[[self.count % 4, (self.count + 1) % 4]] = True
+        return mask
+
+    def _out(self, observation: float) -> TensorDict:
+        done = torch.tensor([self.count >= 6])
+        fields = {"observation": torch.full((1,), observation), "action_mask": self._mask()}
+        return TensorDict({**fields, "done": done, "terminated": done.clone()}, [])
+
+    def _reset(self, tensordict=None, **kwargs) -> TensorDictBase:
+        self.count = 0
+        return self._out(0.0)
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        action = int(tensordict["action"])
+        if not self._mask()[action]:
+            raise ValueError(f"action {action} is masked at step {self.count}")
+        self.count += 1
+        return self._out(float(action)).set("reward", torch.ones(1))
+
+    def _set_seed(self, seed: int | None) -> int | None:
+        return seed

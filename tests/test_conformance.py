@@ -55,6 +55,7 @@ from tests.conformance import (
     ENV_INDEX,
     DefaultDtypeEnv,
     ExtraKeyEnv,
+    MaskedActionEnv,
     OffSpecDtypesEnv,
     RaisingEnv,
     ResetKeywordsEnv,
@@ -1928,6 +1929,31 @@ def test_an_env_whose_transform_excludes_terminated_keeps_its_specs_as_in_serial
         serial.close(raise_if_closed=False)
         oracle.close()
         pool.close()
+
+
+def test_an_action_mask_around_the_pool_rolls_out_as_around_torchrls_pool_and_serial_env():
+    """``TransformedEnv(pool, ActionMask())``: random actions drawn from the masked spec (a
+    masked one raises in the env), the same seeded rollout on all three."""
+    from torchrl.envs import ActionMask
+
+    makers = [MaskedActionEnv, MaskedActionEnv]
+    envs = [
+        SerialEnv(2, makers),
+        AsyncEnvPool(makers, backend="threading"),
+        ZMQAsyncEnvPool(makers, config=FAST),
+    ]
+    try:
+        rollouts = []
+        for env in envs:
+            torch.manual_seed(1)
+            rollouts.append(TransformedEnv(env, ActionMask()).rollout(8, break_when_any_done=False))
+    finally:
+        for env in envs:
+            env.close(raise_if_closed=False)
+    serial, oracle, ours = rollouts
+    assert ours["next", "done"].any()  # past an episode's end: the reset's mask is used too
+    assert_same_td(oracle, ours, "ActionMask rollout", exclude={ENV_INDEX})
+    assert_same_td(serial, ours, "ActionMask rollout (SerialEnv)", exclude={ENV_INDEX})
 
 
 def test_envs_whose_specs_differ_in_values_only_stack_densely_as_in_torchrls_pool():
