@@ -14,8 +14,9 @@ gone; ``malloc_trim(0)`` gave 307 MB back in 28 ms in a smaller run.
 :class:`HandshakeWatch` listens to the monitor events of a pool's TCP
 sockets (handshakes that failed, connections that ended) and, once they
 have been quiet for :data:`QUIET_S`, trims the allocator once. A pool that
-sees no such event never trims: nothing is added to its hot path but a look
-at a clock per poll.
+sees no such event never trims: what its hot path gains is a look, per poll
+of a TCP pool, at whether a monitor is among the poll's events (the clock is
+read only when one is, or while a trim is pending).
 """
 
 from __future__ import annotations
